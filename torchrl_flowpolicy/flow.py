@@ -1,0 +1,331 @@
+"""Flow-matching and Flow-SDE math as pure tensor functions.
+
+This module knows nothing about TensorDicts or TorchRL: every function maps tensors to
+tensors, accepts any leading batch shape and takes its randomness as an argument, so that
+each formula can be tested against its closed form.
+
+Time convention (the only one used in the library):
+    ``sigma`` in [0, 1]; ``sigma = 1`` is pure noise, ``sigma = 0`` is the action.
+    Interpolant ``x_sigma = (1 - sigma) * action + sigma * noise``; the network predicts the
+    velocity ``v = noise - action``. Sampling integrates from sigma = 1 down to 0 with Euler
+    steps ``Delta_k = sigma_{k+1} - sigma_k < 0``. Chain index k = 0..K: ``x_0`` is the initial
+    noise, ``x_K`` the action chunk; step k maps ``x_k -> x_{k+1}`` using ``sigma_k``.
+
+Shape glossary:
+    ``B`` decisions (macro-steps), ``K`` denoising steps, ``H`` chunk length, ``D`` action
+    dimension, ``O`` observation features.
+
+Paper symbols and their names here:
+
+    ========================  ==========================
+    paper                     code
+    ========================  ==========================
+    sigma (Fast-WAM), t       ``sigma``
+    a                         ``noise_level``
+    g(sigma)                  ``noise_std_scale``
+    Delta_k                   ``step_size`` (negative)
+    mu_k, std_k               ``mean``, ``std``
+    grad log p_sigma(x)       ``score``
+    ========================  ==========================
+
+The Flow-SDE step is the reverse-time SDE of Song et al. (2021) that shares the marginals of
+the probability-flow ODE, with the noise schedule of Flow-GRPO (Liu et al., 2025) and pi-RL
+(Flow-SDE, Chen et al., 2025); see ``docs/conventions.md`` for the derivation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "NoiseSchedule",
+    "SDEMode",
+    "SIGMA_CLAMP",
+    "sigma_grid",
+    "noise_std_scale",
+    "score",
+    "ode_step",
+    "sde_step",
+    "step_coefficients",
+    "gaussian_log_prob",
+    "sample_sde_mask",
+    "interpolate",
+    "velocity_target",
+    "probability_dtype",
+]
+
+NoiseSchedule = Literal["sqrt", "constant"]
+SDEMode = Literal["mixed", "last", "all"]
+
+#: Lower bound on ``1 - sigma`` in the ``"sqrt"`` schedule, where ``g`` diverges at sigma = 1.
+SIGMA_CLAMP = 1e-3
+
+
+def probability_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the probability path for a network running in ``dtype``.
+
+    The chain, the Gaussian means and the log-probabilities are kept in float32 or wider,
+    even when the velocity network runs in bfloat16 or float16.
+
+    Example:
+        >>> probability_dtype(torch.bfloat16), probability_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return torch.promote_types(dtype, torch.float32)
+
+
+def sigma_grid(
+    num_steps: int,
+    shift: float = 1.0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The noise levels ``sigma_0 = 1 > sigma_1 > ... > sigma_K = 0``.
+
+    The grid is uniform, ``1 - k / K``, followed by the time shift
+    ``sigma' = s * sigma / (1 + (s - 1) * sigma)`` (``s = 1``: no shift; ``s > 1`` spends
+    more steps at high noise, as in Stable Diffusion 3 and Fast-WAM).
+
+    Args:
+        num_steps: the number of denoising steps ``K`` (>= 1).
+        shift: the shift ``s`` (> 0).
+        dtype: dtype of the returned grid.
+        device: device of the returned grid.
+
+    Returns:
+        A tensor of shape ``[K + 1]``.
+
+    Example:
+        >>> sigma_grid(4)
+        tensor([1.0000, 0.7500, 0.5000, 0.2500, 0.0000])
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0 (1.0 means no shift), got {shift}.")
+    sigma = 1.0 - torch.arange(num_steps + 1, dtype=torch.float64) / num_steps
+    sigma = shift * sigma / (1.0 + (shift - 1.0) * sigma)
+    return sigma.to(dtype=dtype, device=device)
+
+
+def noise_std_scale(sigma: Tensor, noise_level: float, schedule: NoiseSchedule = "sqrt") -> Tensor:
+    """The diffusion coefficient ``g(sigma)`` of the Flow-SDE.
+
+    ``"sqrt"``: ``g = a * sqrt(sigma / (1 - sigma))`` (Flow-GRPO, pi-RL), with
+    ``1 - sigma`` clamped to at least :data:`SIGMA_CLAMP`. ``"constant"``: ``g = a``.
+
+    Example:
+        >>> noise_std_scale(torch.tensor([0.5]), 0.5)
+        tensor([0.5000])
+    """
+    if noise_level < 0:
+        raise ValueError(f"noise_level must be >= 0, got {noise_level}.")
+    if schedule == "sqrt":
+        return noise_level * torch.sqrt(sigma / (1.0 - sigma).clamp_min(SIGMA_CLAMP))
+    if schedule == "constant":
+        return torch.full_like(sigma, noise_level)
+    raise ValueError(f"noise_schedule must be 'sqrt' or 'constant', got {schedule!r}.")
+
+
+def score(x: Tensor, velocity: Tensor, sigma: Tensor | float) -> Tensor:
+    """The score ``grad_x log p_sigma(x) = -(x + (1 - sigma) * v) / sigma``.
+
+    Follows from ``x = (1 - sigma) * action + sigma * noise`` and ``v = noise - action``:
+    ``E[noise | x] = x + (1 - sigma) * v`` and, for a Gaussian noise,
+    ``grad log p_sigma(x) = -E[noise | x] / sigma`` (Tweedie).
+
+    Args:
+        x: the noisy sample, ``[..., H, D]``.
+        velocity: the velocity at ``(x, sigma)``, same shape.
+        sigma: the noise level, broadcastable to ``x`` (> 0).
+    """
+    return -(x + (1.0 - sigma) * velocity) / sigma
+
+
+def _drift_coefficient(sigma: Tensor, noise_level: float, schedule: NoiseSchedule) -> Tensor:
+    """``g(sigma)^2 / (2 sigma)``: the weight of ``x + (1 - sigma) v`` in the SDE drift."""
+    if schedule == "sqrt":
+        # g^2 / (2 sigma) = a^2 / (2 (1 - sigma)): finite at sigma = 0.
+        return noise_level**2 / (2.0 * (1.0 - sigma).clamp_min(SIGMA_CLAMP))
+    if schedule == "constant":
+        return noise_level**2 / (2.0 * sigma)
+    raise ValueError(f"noise_schedule must be 'sqrt' or 'constant', got {schedule!r}.")
+
+
+def step_coefficients(
+    sigmas: Tensor, noise_level: float, schedule: NoiseSchedule = "sqrt"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-step coefficients of the Flow-SDE step, written as an affine map.
+
+    The Flow-SDE mean is linear in ``x_k`` and ``v_k``:
+    ``mean_k = x_k + [v_k + c_k (x_k + (1 - sigma_k) v_k)] Delta_k
+    = (1 + c_k Delta_k) x_k + Delta_k (1 + c_k (1 - sigma_k)) v_k``
+    with ``c_k = g_k^2 / (2 sigma_k)``, and ``std_k = g_k sqrt(|Delta_k|)``. With
+    ``noise_level = 0`` the coefficients are exactly ``(1, Delta_k, 0)``: the Euler step.
+
+    Args:
+        sigmas: the grid, ``[K + 1]``.
+        noise_level: ``a`` (>= 0).
+        schedule: ``"sqrt"`` or ``"constant"``.
+
+    Returns:
+        ``(x_coefficient, velocity_coefficient, std)``, each of shape ``[K]``.
+
+    Example:
+        >>> x_coef, v_coef, std = step_coefficients(sigma_grid(2), 0.0)
+        >>> x_coef, v_coef, std
+        (tensor([1., 1.]), tensor([-0.5000, -0.5000]), tensor([0., 0.]))
+    """
+    sigma, sigma_next = sigmas[:-1], sigmas[1:]
+    step_size = sigma_next - sigma
+    if noise_level == 0:
+        return torch.ones_like(sigma), step_size, torch.zeros_like(sigma)
+    drift = _drift_coefficient(sigma, noise_level, schedule)
+    x_coefficient = 1.0 + drift * step_size
+    velocity_coefficient = step_size * (1.0 + drift * (1.0 - sigma))
+    std = noise_std_scale(sigma, noise_level, schedule) * step_size.abs().sqrt()
+    return x_coefficient, velocity_coefficient, std
+
+
+def ode_step(x: Tensor, velocity: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+    """One Euler step of the probability-flow ODE: ``x + v * (sigma_next - sigma)``."""
+    return x + velocity * (sigma_next - sigma)
+
+
+def sde_step(
+    x: Tensor,
+    velocity: Tensor,
+    sigma: Tensor,
+    sigma_next: Tensor,
+    noise_level: float,
+    schedule: NoiseSchedule = "sqrt",
+) -> tuple[Tensor, Tensor]:
+    """The Gaussian transition ``x_{k+1} ~ N(mean, std^2 I)`` of one Flow-SDE step.
+
+    Implements (seed chapter 5.2; Flow-GRPO eq. 12; pi-RL Flow-SDE):
+    ``g = a sqrt(sigma / (1 - sigma))``,
+    ``mean = x + [v + g^2 / (2 sigma) (x + (1 - sigma) v)] Delta``,
+    ``std = g sqrt(|Delta|)``.
+
+    Args:
+        x: ``x_k``, ``[..., H, D]``.
+        velocity: ``v(x_k, sigma_k)``, same shape.
+        sigma: ``sigma_k``, broadcastable to ``x`` (a tensor).
+        sigma_next: ``sigma_{k+1}``, same shape as ``sigma``.
+        noise_level: ``a`` (>= 0); 0 gives the Euler ODE step and ``std = 0``.
+        schedule: ``"sqrt"`` (default) or ``"constant"`` (``g = a``).
+
+    Returns:
+        ``(mean, std)``; ``std`` has the shape of ``sigma``.
+
+    Example:
+        >>> x, v = torch.zeros(2, 3), torch.ones(2, 3)
+        >>> mean, std = sde_step(x, v, torch.tensor(0.5), torch.tensor(0.25), 0.5)
+        >>> mean[0, 0].item(), round(std.item(), 4)
+        (-0.3125, 0.25)
+    """
+    if noise_level < 0:
+        raise ValueError(f"noise_level must be >= 0, got {noise_level}.")
+    step_size = sigma_next - sigma
+    drift = velocity + _drift_coefficient(sigma, noise_level, schedule) * (
+        x + (1.0 - sigma) * velocity
+    )
+    mean = x + drift * step_size
+    std = noise_std_scale(sigma, noise_level, schedule) * step_size.abs().sqrt()
+    return mean, std
+
+
+def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor, event_dims: int = 2) -> Tensor:
+    """``log N(x; mean, std^2 I)`` summed over the last ``event_dims`` dimensions.
+
+    Computed in float32 or wider. ``std`` is the per-sample scale with the batch shape of
+    ``x`` minus its event dimensions (it is broadcast over the chunk).
+
+    Args:
+        x: the sample, ``[..., H, D]`` for the default ``event_dims = 2``.
+        mean: the Gaussian mean, same shape as ``x``.
+        std: the standard deviation, shape ``x.shape[:-event_dims]`` (> 0).
+        event_dims: how many trailing dimensions form one event.
+
+    Returns:
+        The log-density, shape ``x.shape[:-event_dims]``.
+
+    Example:
+        >>> gaussian_log_prob(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor(1.0))
+        tensor(-0.9189)
+    """
+    dtype = probability_dtype(x.dtype)
+    x, mean, std = x.to(dtype), mean.to(dtype), std.to(dtype)
+    event_shape = x.shape[x.ndim - event_dims :]
+    num_elements = math.prod(event_shape)
+    std_b = std.reshape(std.shape + (1,) * event_dims)
+    squared = ((x - mean) / std_b).pow(2).flatten(-event_dims).sum(-1)
+    return -0.5 * squared - num_elements * (std.log() + 0.5 * math.log(2 * math.pi))
+
+
+def sample_sde_mask(
+    batch_shape: tuple[int, ...] | torch.Size,
+    num_steps: int,
+    mode: SDEMode = "mixed",
+    num_sde_steps: int = 4,
+    *,
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Which denoising steps are stochastic, ``[*batch_shape, K]`` booleans.
+
+    Step 0 (sigma = 1) is never stochastic.
+
+    * ``"mixed"``: one step ``k*`` drawn uniformly from ``1..K-1`` per sample (pi-RL's
+      mixed ODE-SDE sampler); needs ``K >= 2``.
+    * ``"last"``: the last ``num_sde_steps`` steps, ``K - n .. K - 1`` (needs ``n <= K - 1``).
+    * ``"all"``: steps ``1..K-1``.
+
+    Example:
+        >>> sample_sde_mask((2,), 4, "all")
+        tensor([[False,  True,  True,  True],
+                [False,  True,  True,  True]])
+    """
+    shape = tuple(batch_shape) + (num_steps,)
+    steps = torch.arange(num_steps, device=device)
+    if mode == "mixed":
+        if num_steps < 2:
+            raise ValueError(
+                f"sde_mode='mixed' needs num_steps >= 2 (step 0 is never stochastic), "
+                f"got num_steps={num_steps}."
+            )
+        chosen = torch.randint(
+            1, num_steps, tuple(batch_shape) + (1,), device=device, generator=generator
+        )
+        return steps == chosen
+    if mode == "last":
+        if not 1 <= num_sde_steps <= num_steps - 1:
+            raise ValueError(
+                f"sde_mode='last' needs 1 <= num_sde_steps <= num_steps - 1 (step 0 is never "
+                f"stochastic), got num_sde_steps={num_sde_steps}, num_steps={num_steps}."
+            )
+        return (steps >= num_steps - num_sde_steps).expand(shape)
+    if mode == "all":
+        if num_steps < 2:
+            raise ValueError(f"sde_mode='all' needs num_steps >= 2, got {num_steps}.")
+        return (steps >= 1).expand(shape)
+    raise ValueError(f"sde_mode must be 'mixed', 'last' or 'all', got {mode!r}.")
+
+
+def interpolate(action: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:
+    """The flow-matching interpolant ``x_sigma = (1 - sigma) * action + sigma * noise``.
+
+    ``sigma`` is broadcast from the left: shape ``[N]`` against ``[N, H, D]`` works.
+    """
+    sigma = sigma.reshape(sigma.shape + (1,) * (action.ndim - sigma.ndim))
+    return (1.0 - sigma) * action + sigma * noise
+
+
+def velocity_target(action: Tensor, noise: Tensor) -> Tensor:
+    """The flow-matching regression target ``v = noise - action``."""
+    return noise - action

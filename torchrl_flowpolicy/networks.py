@@ -1,0 +1,208 @@
+"""Reference velocity networks and observation encoders.
+
+Both networks follow the library's call signature ``network(x, sigma, context) -> v`` with
+``x [N, H, D]``, ``sigma [N]`` and a per-decision context.
+
+* :class:`MLPVelocityNetwork`: flattens the chunk and concatenates it with a sinusoidal
+  embedding of sigma and the observation.
+* :class:`ActionExpertTransformer` with :class:`ObservationEncoder`: the chunk's ``H`` tokens
+  attend (self-attention) to each other and (cross-attention) to context tokens computed once
+  per decision by the encoder, the pattern of the pi0 / Fast-WAM action expert reusing its
+  prefix cache for every denoising step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["SigmaEmbedding", "MLPVelocityNetwork", "ObservationEncoder", "ActionExpertTransformer"]
+
+
+class SigmaEmbedding(nn.Module):
+    """Sinusoidal features of the noise level, ``[N] -> [N, embedding_dim]``.
+
+    Frequencies are geometric from 1 to 1000 (sigma lives in [0, 1]).
+
+    Example:
+        >>> SigmaEmbedding(16)(torch.rand(3)).shape
+        torch.Size([3, 16])
+    """
+
+    def __init__(self, embedding_dim: int = 32, max_frequency: float = 1000.0):
+        super().__init__()
+        if embedding_dim % 2:
+            raise ValueError(f"embedding_dim must be even, got {embedding_dim}.")
+        frequencies = torch.exp(torch.linspace(0.0, math.log(max_frequency), embedding_dim // 2))
+        self.register_buffer("frequencies", frequencies, persistent=False)
+
+    def forward(self, sigma: Tensor) -> Tensor:
+        angles = sigma[..., None].to(self.frequencies.dtype) * self.frequencies
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+def _check_features(context: Tensor, expected: int, name: str) -> None:
+    if context.shape[-1] != expected:
+        raise ValueError(
+            f"{name} got an observation/context with {context.shape[-1]} features (shape "
+            f"{tuple(context.shape)}); it was built with observation_dim={expected}. Check the "
+            f"policy's in_keys and the observation shape."
+        )
+
+
+class MLPVelocityNetwork(nn.Module):
+    """An MLP velocity network ``(x [N, H, D], sigma [N], observation [N, O]) -> [N, H, D]``.
+
+    Args:
+        observation_dim: ``O``, the observation (context) features.
+        action_shape: ``(H, D)``.
+
+    Keyword Args:
+        hidden_dim: width of the hidden layers.
+        num_layers: number of hidden layers.
+        sigma_embedding_dim: size of the sinusoidal sigma features.
+
+    Example:
+        >>> network = MLPVelocityNetwork(observation_dim=5, action_shape=(4, 2))
+        >>> network(torch.randn(3, 4, 2), torch.rand(3), torch.randn(3, 5)).shape
+        torch.Size([3, 4, 2])
+    """
+
+    def __init__(
+        self,
+        observation_dim: int,
+        action_shape: Sequence[int],
+        *,
+        hidden_dim: int = 256,
+        num_layers: int = 3,
+        sigma_embedding_dim: int = 32,
+    ):
+        super().__init__()
+        self.observation_dim = observation_dim
+        self.action_shape = torch.Size(action_shape)
+        action_numel = math.prod(self.action_shape)
+        self.sigma_embedding = SigmaEmbedding(sigma_embedding_dim)
+        layers: list[nn.Module] = []
+        in_features = action_numel + sigma_embedding_dim + observation_dim
+        for _ in range(num_layers):
+            layers += [nn.Linear(in_features, hidden_dim), nn.SiLU()]
+            in_features = hidden_dim
+        layers.append(nn.Linear(in_features, action_numel))
+        self.mlp = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor, sigma: Tensor, context: Tensor) -> Tensor:
+        _check_features(context, self.observation_dim, type(self).__name__)
+        features = torch.cat(
+            [
+                x.flatten(1),
+                self.sigma_embedding(sigma).to(x.dtype),
+                context.flatten(1).to(x.dtype),
+            ],
+            dim=-1,
+        )
+        return self.mlp(features).view(x.shape)
+
+
+class ObservationEncoder(nn.Module):
+    """Maps an observation ``[N, O]`` to ``num_tokens`` context tokens ``[N, T, model_dim]``.
+
+    Stands in for the expensive conditioning of a robot policy (a VLM prefix, a video
+    model's first-frame cache): it runs once per decision, not once per denoising step.
+
+    Example:
+        >>> ObservationEncoder(5, model_dim=32, num_tokens=4)(torch.randn(3, 5)).shape
+        torch.Size([3, 4, 32])
+    """
+
+    def __init__(
+        self,
+        observation_dim: int,
+        *,
+        model_dim: int = 128,
+        num_tokens: int = 4,
+        hidden_dim: int = 256,
+    ):
+        super().__init__()
+        self.observation_dim = observation_dim
+        self.model_dim = model_dim
+        self.num_tokens = num_tokens
+        self.mlp = nn.Sequential(
+            nn.Linear(observation_dim, hidden_dim),
+            nn.SiLU(),
+            nn.Linear(hidden_dim, num_tokens * model_dim),
+        )
+        self.norm = nn.LayerNorm(model_dim)
+
+    def forward(self, observation: Tensor) -> Tensor:
+        _check_features(observation, self.observation_dim, type(self).__name__)
+        tokens = self.mlp(observation.flatten(1).to(self.mlp[0].weight.dtype))
+        return self.norm(tokens.view(-1, self.num_tokens, self.model_dim))
+
+
+class ActionExpertTransformer(nn.Module):
+    """A small transformer "action expert": chunk tokens cross-attend to cached context tokens.
+
+    Each of the ``H`` chunk rows is a token (a linear embedding of its ``D`` values plus a
+    learned position and the sigma embedding); ``num_layers`` pre-norm decoder layers apply
+    self-attention over the chunk and cross-attention to the ``[N, T, model_dim]`` context.
+
+    Args:
+        action_shape: ``(H, D)``.
+
+    Keyword Args:
+        model_dim: token width (must match the encoder's).
+        num_heads: attention heads.
+        num_layers: decoder layers.
+        feedforward_dim: hidden size of the feed-forward blocks (default ``4 * model_dim``).
+
+    Example:
+        >>> encoder = ObservationEncoder(5, model_dim=32)
+        >>> expert = ActionExpertTransformer((4, 2), model_dim=32, num_heads=2)
+        >>> context = encoder(torch.randn(3, 5))  # once per decision
+        >>> expert(torch.randn(3, 4, 2), torch.rand(3), context).shape
+        torch.Size([3, 4, 2])
+    """
+
+    def __init__(
+        self,
+        action_shape: Sequence[int],
+        *,
+        model_dim: int = 128,
+        num_heads: int = 4,
+        num_layers: int = 2,
+        feedforward_dim: int | None = None,
+    ):
+        super().__init__()
+        self.action_shape = torch.Size(action_shape)
+        chunk_length, action_dim = self.action_shape
+        self.model_dim = model_dim
+        self.action_embedding = nn.Linear(action_dim, model_dim)
+        self.position_embedding = nn.Parameter(torch.randn(chunk_length, model_dim) * 0.02)
+        self.sigma_embedding = nn.Sequential(
+            SigmaEmbedding(model_dim), nn.Linear(model_dim, model_dim), nn.SiLU()
+        )
+        layer = nn.TransformerDecoderLayer(
+            model_dim,
+            num_heads,
+            dim_feedforward=feedforward_dim or 4 * model_dim,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.decoder = nn.TransformerDecoder(layer, num_layers)
+        self.output = nn.Sequential(nn.LayerNorm(model_dim), nn.Linear(model_dim, action_dim))
+
+    def forward(self, x: Tensor, sigma: Tensor, context: Tensor) -> Tensor:
+        if context.ndim != 3 or context.shape[-1] != self.model_dim:
+            raise ValueError(
+                f"ActionExpertTransformer expects context tokens [N, T, {self.model_dim}] "
+                f"(an ObservationEncoder's output), got shape {tuple(context.shape)}."
+            )
+        tokens = self.action_embedding(x) + self.position_embedding
+        tokens = tokens + self.sigma_embedding(sigma)[:, None, :]
+        tokens = self.decoder(tokens, context.to(tokens.dtype))
+        return self.output(tokens)
