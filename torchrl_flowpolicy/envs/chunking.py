@@ -58,7 +58,7 @@ class ChunkedAction(MultiAction):
         one_step = {key: action_spec[key] for key in action_keys}
         ndim = input_spec.ndim
         input_spec = super().transform_input_spec(input_spec)
-        for action_key, chunk_key in zip(action_keys, chunk_keys):
+        for action_key, chunk_key in zip(action_keys, chunk_keys, strict=True):
             leaf = one_step[action_key]
             for _ in range(self.dim):
                 leaf = leaf.unsqueeze(ndim)
