@@ -418,7 +418,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         expected = (*tensordict.batch_size, *trailing)
         if tuple(value.shape) != expected:
             hint = ""
-            if key == CHAIN_KEY and value.ndim == len(expected) and value.shape[-3] != trailing[0]:
+            if len(trailing) == 3 and value.ndim == len(expected) and value.shape[-3] != trailing[0]:
                 hint = (
                     f" The stored chain has K={value.shape[-3] - 1} steps but the policy has "
                     f"num_steps={self.num_steps}: score it with a policy of the same num_steps."
@@ -430,7 +430,12 @@ class FlowSDEPolicy(TensorDictModuleBase):
         return value.reshape(-1, *trailing)
 
     def stochastic_steps(
-        self, tensordict: TensorDictBase, *, context_grad: bool = False
+        self,
+        tensordict: TensorDictBase,
+        *,
+        context_grad: bool = False,
+        chain_key: NestedKey = CHAIN_KEY,
+        sde_mask_key: NestedKey = SDE_MASK_KEY,
     ) -> StochasticSteps:
         """Recompute the Gaussian transitions of the stored stochastic steps.
 
@@ -441,10 +446,12 @@ class FlowSDEPolicy(TensorDictModuleBase):
             tensordict: holds the observation(s), ``("flow", "chain")`` and
                 ``("flow", "sde_mask")`` with batch shape ``[*B]``.
             context_grad: let the gradient reach the encoder (default: ``no_grad``).
+            chain_key: where the chain is stored.
+            sde_mask_key: where the stochastic-step mask is stored.
         """
         num_steps = self.num_steps
-        chain = self._stored(tensordict, CHAIN_KEY, (num_steps + 1, *self.action_shape))
-        sde_mask = self._stored(tensordict, SDE_MASK_KEY, (num_steps,))
+        chain = self._stored(tensordict, chain_key, (num_steps + 1, *self.action_shape))
+        sde_mask = self._stored(tensordict, sde_mask_key, (num_steps,))
         context = self.context(tensordict, grad=context_grad)
         network_dtype = self.network_dtype
         dtype = flow.probability_dtype(network_dtype)

@@ -1,0 +1,177 @@
+"""``FlowMatchingLoss``: supervised flow matching for pretraining and self-imitation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.utils import NestedKey
+from torch import Tensor
+from torchrl.objectives import LossModule
+
+from torchrl_flowpolicy import flow
+from torchrl_flowpolicy.flow import SigmaDistribution
+from torchrl_flowpolicy.policy import FlowSDEPolicy
+
+__all__ = ["FlowMatchingLoss", "flow_matching_per_sample"]
+
+
+def flow_matching_per_sample(
+    policy: FlowSDEPolicy,
+    tensordict: TensorDictBase,
+    action: Tensor,
+    *,
+    row_mask: Tensor | None = None,
+    sigma_distribution: SigmaDistribution = "uniform",
+    context_grad: bool = True,
+) -> Tensor:
+    """The flow-matching error of ``policy``'s velocity network, one value per decision.
+
+    Draws ``sigma`` (from ``sigma_distribution``) and ``noise ~ N(0, I)``, forms
+    ``x = (1 - sigma) A + sigma noise`` and regresses ``v(x, sigma, context)`` on
+    ``noise - A`` (Lipman et al., 2023; Liu et al., 2023), averaged over the action dimension
+    and the valid rows. A target with fewer rows than the policy's chunk (the executed rows
+    of a rollout) is zero-padded to ``H`` and its missing rows are masked out.
+
+    Args:
+        policy: the policy whose network and context are trained.
+        tensordict: holds the observation(s); batch shape ``[*B]``.
+        action: the target chunks, ``[*B, H', D]`` with ``H' <= H``.
+        row_mask: ``[*B, H']`` booleans, ``True`` for real rows (default: all).
+        sigma_distribution: see :func:`torchrl_flowpolicy.flow.sample_training_sigma`.
+        context_grad: let the gradient reach the encoder.
+
+    Returns:
+        ``[*B]`` per-decision errors.
+    """
+    batch_shape = tensordict.batch_size
+    chunk_length, action_dim = policy.action_shape
+    if action.shape[: len(batch_shape)] != batch_shape or action.shape[len(batch_shape) :][1:] != (
+        action_dim,
+    ):
+        raise ValueError(
+            f"the target action has shape {tuple(action.shape)}; expected batch shape "
+            f"{tuple(batch_shape)} followed by (rows <= {chunk_length}, {action_dim})."
+        )
+    rows = action.shape[-2]
+    if rows > chunk_length:
+        raise ValueError(
+            f"the target action has {rows} rows, more than the policy's chunk length "
+            f"{chunk_length}; nothing is truncated silently: slice it first."
+        )
+    dtype = flow.probability_dtype(policy.network_dtype)
+    action = action.reshape(-1, rows, action_dim).to(dtype)
+    num_decisions = action.shape[0]
+    valid = torch.ones(num_decisions, rows, dtype=torch.bool, device=action.device)
+    if row_mask is not None:
+        valid = row_mask.reshape(num_decisions, rows).bool()
+    if rows < chunk_length:
+        action = torch.nn.functional.pad(action, (0, 0, 0, chunk_length - rows))
+        valid = torch.nn.functional.pad(valid, (0, chunk_length - rows), value=False)
+    noise = torch.randn_like(action)
+    sigma = flow.sample_training_sigma(
+        (num_decisions,), sigma_distribution, dtype=dtype, device=action.device
+    )
+    x = flow.interpolate(action, noise, sigma)
+    context = policy.context(tensordict, grad=context_grad)
+    network_dtype = policy.network_dtype
+    velocity = policy.velocity_network(x.to(network_dtype), sigma.to(network_dtype), context)
+    error = flow.flow_matching_error(velocity, action, noise, valid)
+    return error.reshape(batch_shape)
+
+
+class FlowMatchingLoss(LossModule):
+    """The supervised flow-matching loss of a :class:`~torchrl_flowpolicy.FlowSDEPolicy`.
+
+    Used for behaviour cloning from demonstrations and for self-imitation (see
+    :class:`~torchrl_flowpolicy.objectives.DenoisingClipPPOLoss`'s ``bc_coeff``). For each
+    decision: ``sigma`` from ``sigma_distribution``, ``noise ~ N(0, I)``,
+    ``x = (1 - sigma) A + sigma noise``, target ``v = noise - A``; the squared error is
+    averaged over the action dimension and the valid chunk rows, then reduced over the batch.
+
+    Args:
+        actor_network: the policy to train (its velocity network and encoder).
+
+    Keyword Args:
+        sigma_distribution: ``"uniform"`` (default), ``"logit_normal"`` or ``"beta"``.
+        context_grad: train the encoder too (default ``True``).
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (one value per decision).
+
+    Keys (``set_keys``): ``action`` (the target chunk, ``[*B, H', D]``) and ``row_mask``
+    (``[*B, H']`` booleans marking real rows; absent: all rows are real).
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> from torchrl_flowpolicy.networks import MLPVelocityNetwork
+        >>> policy = FlowSDEPolicy(MLPVelocityNetwork(5, (4, 2)), action_shape=(4, 2))
+        >>> loss = FlowMatchingLoss(policy)
+        >>> data = TensorDict(
+        ...     {"observation": torch.randn(8, 5), "action": torch.randn(8, 4, 2)}, batch_size=[8]
+        ... )
+        >>> loss(data)["loss_flow_matching"].shape
+        torch.Size([])
+    """
+
+    @dataclass
+    class _AcceptedKeys:
+        """Tensordict keys read by the loss.
+
+        Attributes:
+            action: the target chunk. Defaults to ``"action"``.
+            row_mask: real (non-padding) rows of the target. Defaults to ``"action_row_mask"``.
+        """
+
+        action: NestedKey = "action"
+        row_mask: NestedKey = "action_row_mask"
+
+    default_keys = _AcceptedKeys
+    tensor_keys: _AcceptedKeys
+    actor_network: FlowSDEPolicy
+
+    def __init__(
+        self,
+        actor_network: FlowSDEPolicy,
+        *,
+        sigma_distribution: SigmaDistribution = "uniform",
+        context_grad: bool = True,
+        reduction: str = "mean",
+    ):
+        super().__init__()
+        if not isinstance(actor_network, FlowSDEPolicy):
+            raise TypeError(
+                f"FlowMatchingLoss trains a FlowSDEPolicy, got {type(actor_network).__name__}."
+            )
+        flow.sample_training_sigma((1,), sigma_distribution)  # validates the name
+        self.actor_network = actor_network
+        self.sigma_distribution = sigma_distribution
+        self.context_grad = context_grad
+        self.reduction = reduction
+
+    def _forward_value_estimator_keys(self, **kwargs) -> None:
+        pass
+
+    @property
+    def in_keys(self) -> list[NestedKey]:
+        return [*self.actor_network.in_keys, self.tensor_keys.action, self.tensor_keys.row_mask]
+
+    @property
+    def out_keys(self) -> list[NestedKey]:
+        return ["loss_flow_matching"]
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDict:
+        action = tensordict.get(self.tensor_keys.action, None)
+        if action is None:
+            raise KeyError(
+                f"FlowMatchingLoss needs the target chunk at {self.tensor_keys.action!r}; "
+                f"set it with loss.set_keys(action=...)."
+            )
+        error = flow_matching_per_sample(
+            self.actor_network,
+            tensordict,
+            action,
+            row_mask=tensordict.get(self.tensor_keys.row_mask, None),
+            sigma_distribution=self.sigma_distribution,
+            context_grad=self.context_grad,
+        )
+        return TensorDict({"loss_flow_matching": self._reduce_loss(error, tensordict)})

@@ -1,0 +1,391 @@
+"""``DenoisingClipPPOLoss``: PPO's clipped objective per denoising step of a flow policy."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import TensorDictModule
+from tensordict.utils import NestedKey
+from torch import Tensor
+from torchrl.objectives import ClipPPOLoss
+
+from torchrl_flowpolicy import flow
+from torchrl_flowpolicy.objectives.flow_matching import flow_matching_per_sample
+from torchrl_flowpolicy.policy import (
+    CHAIN_KEY,
+    SDE_MASK_KEY,
+    STEP_LOG_PROB_KEY,
+    FlowSDEPolicy,
+    StochasticSteps,
+)
+
+__all__ = ["DenoisingClipPPOLoss"]
+
+KLEstimator = Literal["analytic", "sample"]
+
+
+class DenoisingClipPPOLoss(ClipPPOLoss):
+    """PPO's clipped objective taken per (decision, stochastic denoising step).
+
+    Each stochastic step ``k`` of decision ``t`` is a Gaussian transition
+    ``x_{k+1} ~ N(mu_k(x_k; phi), std_k^2 I)`` (see :class:`~torchrl_flowpolicy.FlowSDEPolicy`).
+    With ``rho_{t,k} = exp(log N(x_{k+1}; mu_k^phi, std_k) - log N(x_{k+1}; mu_k^old, std_k))``
+    and the decision's advantage ``A_t`` broadcast over its stochastic steps,
+
+    ``loss_objective = -mean_{(t,k) stochastic} min(rho A_t, clip(rho, 1 - eps_low, 1 + eps_high) A_t)``
+
+    (DPPO, Ren et al., 2024; pi-RL, Chen et al., 2025; Flow-GRPO, Liu et al., 2025). The mean
+    runs over the stochastic entries only: deterministic steps add neither to the objective,
+    nor to its normalisation, nor to the diagnostics. ``rho`` comes from
+    :meth:`FlowSDEPolicy.stochastic_steps` (one batched network call over all stochastic
+    entries) and the stored per-step log-probs.
+
+    What is TorchRL's, unchanged: the critic loss with value clipping (``loss_critic``),
+    advantage normalisation, ``make_value_estimator`` (GAE runs at the decision level, the
+    tensordict's batch), ``set_keys``, reductions, functional parameters and the clip
+    buffers (``clip_epsilon`` or ``clip_epsilon_low`` / ``clip_epsilon_high``).
+    ``forward`` is this class's own because the surrogate is a masked mean over stochastic
+    entries, which ``ClipPPOLoss.forward`` (a mean over every entry of the log-weight) cannot
+    express.
+
+    Entropy: the bonus is off by default. The step std does not depend on the parameters, so
+    the Gaussian steps' entropy, ``H' D (log std + log(2 pi e) / 2)``, has no gradient; it is
+    still reported as ``"entropy"``. Exploration is set by the policy's ``noise_level``.
+
+    Args:
+        actor_network: the :class:`~torchrl_flowpolicy.FlowSDEPolicy` to train.
+        critic_network: a value network writing ``"state_value"`` (optional).
+
+    Keyword Args:
+        clip_epsilon: a float, or a ``(low, high)`` pair for clip-higher (e.g. ``(0.2, 0.28)``,
+            SimpleVLA-RL / DAPO).
+        dual_clip: ``c > 1`` enables dual-clip PPO (Ye et al., 2020): for negative advantages
+            the objective is floored at ``c * A``. ``None`` (default): off.
+        context_grad: let the policy gradient reach the encoder. Default ``False``: the
+            context is recomputed from the stored observation under ``no_grad``.
+        kl_coeff: weight of the KL to a frozen reference actor (default 0: off).
+        kl_estimator: ``"analytic"`` (default): ``||mu - mu_ref||^2 / (2 std^2)`` per step,
+            exact because both Gaussians share their std; ``"sample"``: the estimator
+            ``log pi - log pi_ref`` at the stored samples.
+        reference_actor: the frozen reference; default: a copy of ``actor_network`` taken at
+            construction (when ``kl_coeff > 0``).
+        bc_coeff: weight of self-imitation: flow matching on the executed chunks of the
+            decisions flagged successful (key ``success``). Default 0: off.
+        sigma_distribution: the noise-level distribution of the self-imitation term.
+        entropy_bonus: add ``-entropy_coeff * entropy`` (default ``False``; see above).
+        **kwargs: forwarded to :class:`~torchrl.objectives.ClipPPOLoss` (``critic_coeff``,
+            ``loss_critic_type``, ``normalize_advantage``, ``clip_value``, ``reduction``,
+            ``functional``, ``separate_losses``, ``device``, ...).
+
+    Keys (``set_keys``): TorchRL's (``advantage``, ``value_target``, ``value``, ``reward``,
+    ``done``, ``terminated``, ``action``) plus ``sample_log_prob`` (the stored per-step
+    log-probs, default ``("flow", "step_log_prob")``), ``chain``, ``sde_mask`` and
+    ``success``.
+
+    Outputs: ``loss_objective``, ``loss_critic`` (with a critic), ``loss_kl`` (``kl_coeff >
+    0``), ``loss_bc`` (``bc_coeff > 0``), ``loss_entropy`` (with the bonus); diagnostics
+    ``clip_fraction``, ``kl_approx``, ``ESS``, ``mean_ratio``, ``max_ratio``,
+    ``explained_variance``, ``entropy``, ``kl_reference``, ``log_prob_drift`` (the largest
+    ``|logp_new - logp_old|``: about 0 on freshly collected data; a rollout/learner mismatch
+    alarm) and ``num_stochastic_steps``.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> from torchrl.envs.utils import ExplorationType, set_exploration_type
+        >>> from torchrl_flowpolicy import FlowSDEPolicy
+        >>> from torchrl_flowpolicy.networks import MLPVelocityNetwork
+        >>> policy = FlowSDEPolicy(MLPVelocityNetwork(5, (4, 2)), action_shape=(4, 2))
+        >>> data = TensorDict({"observation": torch.randn(16, 5)}, batch_size=[16])
+        >>> with set_exploration_type(ExplorationType.RANDOM), torch.no_grad():
+        ...     data = policy(data)
+        >>> data["advantage"] = torch.randn(16, 1)
+        >>> loss = DenoisingClipPPOLoss(policy, clip_epsilon=(0.2, 0.28))
+        >>> out = loss(data)
+        >>> out["loss_objective"].backward()
+        >>> bool(out["log_prob_drift"] < 1e-5)
+        True
+    """
+
+    @dataclass
+    class _AcceptedKeys(ClipPPOLoss._AcceptedKeys):
+        """Tensordict keys read by the loss (TorchRL's, plus the denoising chain's).
+
+        Attributes:
+            sample_log_prob: stored per-step log-probs ``[*B, K]``.
+                Defaults to ``("flow", "step_log_prob")``.
+            chain: stored chain ``[*B, K+1, H, D]``. Defaults to ``("flow", "chain")``.
+            sde_mask: stochastic steps ``[*B, K]``. Defaults to ``("flow", "sde_mask")``.
+            success: per-decision success flag for self-imitation ``[*B]`` or ``[*B, 1]``.
+                Defaults to ``"success"``.
+        """
+
+        sample_log_prob: NestedKey = STEP_LOG_PROB_KEY
+        chain: NestedKey = CHAIN_KEY
+        sde_mask: NestedKey = SDE_MASK_KEY
+        success: NestedKey = "success"
+
+    default_keys = _AcceptedKeys
+    tensor_keys: _AcceptedKeys
+    actor_network: FlowSDEPolicy
+    critic_network: TensorDictModule
+
+    def __init__(
+        self,
+        actor_network: FlowSDEPolicy,
+        critic_network: TensorDictModule | None = None,
+        *,
+        clip_epsilon: float | tuple[float, float] = 0.2,
+        dual_clip: float | None = None,
+        context_grad: bool = False,
+        kl_coeff: float = 0.0,
+        kl_estimator: KLEstimator = "analytic",
+        reference_actor: FlowSDEPolicy | None = None,
+        bc_coeff: float = 0.0,
+        sigma_distribution: flow.SigmaDistribution = "uniform",
+        entropy_bonus: bool = False,
+        **kwargs,
+    ):
+        if not isinstance(actor_network, FlowSDEPolicy):
+            raise TypeError(
+                f"actor_network must be a FlowSDEPolicy, got {type(actor_network).__name__}."
+            )
+        if kwargs.get("delay_actor", False):
+            raise ValueError("delay_actor=True is not supported by DenoisingClipPPOLoss.")
+        if dual_clip is not None and dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}.")
+        if kl_coeff < 0 or bc_coeff < 0:
+            raise ValueError(f"kl_coeff and bc_coeff must be >= 0, got {kl_coeff} and {bc_coeff}.")
+        if kl_estimator not in ("analytic", "sample"):
+            raise ValueError(f"kl_estimator must be 'analytic' or 'sample', got {kl_estimator!r}.")
+        if kl_coeff > 0 and reference_actor is None:
+            reference_actor = copy.deepcopy(actor_network)
+        super().__init__(
+            actor_network,
+            critic_network,
+            clip_epsilon=clip_epsilon,
+            entropy_bonus=entropy_bonus,
+            **kwargs,
+        )
+        if reference_actor is not None:
+            reference_actor = reference_actor.requires_grad_(False).eval()
+        self.reference_actor = reference_actor
+        self.dual_clip = dual_clip
+        self.context_grad = context_grad
+        self.kl_coeff = kl_coeff
+        self.kl_estimator = kl_estimator
+        self.bc_coeff = bc_coeff
+        self.sigma_distribution = sigma_distribution
+
+    def _set_in_keys(self) -> None:
+        super()._set_in_keys()
+        keys = set(self._in_keys)
+        keys.update({self.tensor_keys.chain, self.tensor_keys.sde_mask})
+        if self.bc_coeff > 0:
+            keys.add(self.tensor_keys.success)
+        self._in_keys = list(keys)
+
+    @property
+    def out_keys(self) -> list[NestedKey]:
+        if self._out_keys is None:
+            keys = ["loss_objective"]
+            if self._has_critic:
+                keys.append("loss_critic")
+            if self.kl_coeff > 0:
+                keys.append("loss_kl")
+            if self.bc_coeff > 0:
+                keys.append("loss_bc")
+            if self.entropy_bonus:
+                keys.append("loss_entropy")
+            keys += ["clip_fraction", "kl_approx", "ESS", "mean_ratio", "max_ratio"]
+            keys += ["entropy", "log_prob_drift", "num_stochastic_steps"]
+            self._out_keys = keys
+        return self._out_keys
+
+    @out_keys.setter
+    def out_keys(self, values) -> None:
+        self._out_keys = values
+
+    # ------------------------------------------------------------------ pieces
+    def _actor_parameters(self):
+        if self.functional:
+            return self.actor_network_params.to_module(
+                self.actor_network, preserve_module_state=False
+            )
+        return contextlib.nullcontext()
+
+    def _stochastic_steps(self, tensordict: TensorDictBase) -> StochasticSteps:
+        with self._actor_parameters():
+            return self.actor_network.stochastic_steps(
+                tensordict,
+                context_grad=self.context_grad,
+                chain_key=self.tensor_keys.chain,
+                sde_mask_key=self.tensor_keys.sde_mask,
+            )
+
+    def _old_log_prob(self, tensordict: TensorDictBase, steps: StochasticSteps) -> Tensor:
+        key = self.tensor_keys.sample_log_prob
+        old = tensordict.get(key, None)
+        expected = (*tensordict.batch_size, self.actor_network.num_steps)
+        if old is None:
+            raise KeyError(
+                f"the stored per-step log-probs {key!r} are missing; FlowSDEPolicy writes "
+                f"them under RANDOM exploration (set_keys(sample_log_prob=...) to rename)."
+            )
+        if tuple(old.shape) != expected:
+            raise ValueError(
+                f"{key!r} has shape {tuple(old.shape)}, expected {expected} (one log-prob "
+                f"per denoising step)."
+            )
+        if old.requires_grad:
+            raise RuntimeError(f"the stored log-probs {key!r} require grad; detach them.")
+        return old.reshape(-1, old.shape[-1])[steps.decision_index, steps.step_index]
+
+    def _advantage(self, tensordict: TensorDictBase) -> Tensor:
+        advantage = tensordict.get(self.tensor_keys.advantage, None)
+        update_norm = advantage is None
+        if advantage is None:
+            if self.critic_network is None:
+                raise KeyError(
+                    f"the advantage {self.tensor_keys.advantage!r} is missing and there is no "
+                    f"critic to compute it: run a value estimator first or pass a critic."
+                )
+            self.value_estimator(
+                tensordict,
+                params=self._cached_critic_network_params_detached,
+                target_params=self.target_critic_network_params,
+            )
+            advantage = tensordict.get(self.tensor_keys.advantage)
+        expected = (*tensordict.batch_size, 1)
+        if tuple(advantage.shape) != expected:
+            raise ValueError(
+                f"the advantage {self.tensor_keys.advantage!r} has shape "
+                f"{tuple(advantage.shape)}, expected {expected}: one value per decision "
+                f"(the tensordict's batch shape followed by 1)."
+            )
+        return self._maybe_normalize_advantage(advantage, tensordict, update_norm=update_norm)
+
+    def _reduce_steps(
+        self, values: Tensor, steps: StochasticSteps, tensordict: TensorDictBase
+    ) -> Tensor:
+        """Reduce per-entry ``values [M]`` over the stochastic entries with ``reduction``.
+
+        ``"none"`` gives a ``[*B, K]`` tensor, zero at the deterministic steps. TorchRL's
+        validity masks (``loss_mask_key``) are honoured.
+        """
+        dense = self.actor_network.scatter_steps(tensordict, steps, values)
+        mask = self.actor_network.scatter_steps(
+            tensordict, steps, torch.ones_like(values, dtype=torch.bool)
+        )
+        if self.reduction == "none":
+            return dense
+        return self._reduce_loss(dense, tensordict, mask=mask)
+
+    def _self_imitation(self, tensordict: TensorDictBase) -> Tensor:
+        success = tensordict.get(self.tensor_keys.success, None)
+        if success is None:
+            raise KeyError(
+                f"bc_coeff > 0 needs the per-decision success flag {self.tensor_keys.success!r}."
+            )
+        batch_shape = tensordict.batch_size
+        if success.shape not in (batch_shape, (*batch_shape, 1)):
+            raise ValueError(
+                f"the success flag has shape {tuple(success.shape)}, expected "
+                f"{tuple(batch_shape)} or {(*batch_shape, 1)}."
+            )
+        success = success.reshape(batch_shape).bool()
+        if not success.any():
+            return torch.zeros((), device=success.device)
+        flat = tensordict.reshape(-1)[success.reshape(-1)]
+        with self._actor_parameters():
+            error = flow_matching_per_sample(
+                self.actor_network,
+                flat,
+                flat.get(self.tensor_keys.action),
+                sigma_distribution=self.sigma_distribution,
+                context_grad=self.context_grad,
+            )
+        return error.mean() if self.reduction != "sum" else error.sum()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        tensordict = tensordict.clone(False)
+        advantage = self._advantage(tensordict)
+        steps = self._stochastic_steps(tensordict)
+        log_prob = flow.gaussian_log_prob(steps.sample, steps.mean, steps.std)
+        log_weight = log_prob - self._old_log_prob(tensordict, steps).to(log_prob.dtype)
+        entry_advantage = advantage.reshape(-1)[steps.decision_index].to(log_weight.dtype)
+
+        ratio = log_weight.exp()
+        low, high = self._clip_bounds
+        clipped_log_weight = log_weight.clamp(low, high)
+        gain = torch.minimum(ratio * entry_advantage, clipped_log_weight.exp() * entry_advantage)
+        if self.dual_clip is not None:
+            floor = self.dual_clip * entry_advantage
+            gain = torch.where(entry_advantage < 0, torch.maximum(gain, floor), gain)
+
+        out = TensorDict({"loss_objective": self._reduce_steps(-gain, steps, tensordict)})
+        if self._has_critic:
+            loss_critic, value_clip_fraction, explained_variance = self.loss_critic(tensordict)
+            out.set("loss_critic", self._reduce_loss(loss_critic, tensordict).squeeze(-1))
+            if value_clip_fraction is not None:
+                out.set("value_clip_fraction", value_clip_fraction)
+            if explained_variance is not None:
+                out.set("explained_variance", explained_variance.squeeze(-1))
+        if self.kl_coeff > 0:
+            kl = self._reference_kl(tensordict, steps, log_prob)
+            out.set("loss_kl", self.kl_coeff * self._reduce_steps(kl, steps, tensordict))
+            out.set("kl_reference", kl.detach().mean())
+        if self.bc_coeff > 0:
+            out.set("loss_bc", self.bc_coeff * self._self_imitation(tensordict))
+
+        executed_numel = math.prod(steps.sample.shape[1:])
+        entropy = executed_numel * (steps.std.log() + 0.5 * math.log(2 * math.pi * math.e))
+        if self.entropy_bonus:
+            out.set(
+                "loss_entropy",
+                -self.entropy_coeff * self._reduce_steps(entropy, steps, tensordict),
+            )
+        with torch.no_grad():
+            num_entries = log_weight.numel()
+            out.set("clip_fraction", (clipped_log_weight != log_weight).float().mean())
+            out.set("kl_approx", (-log_weight).mean())
+            ess = (2 * log_weight.logsumexp(0) - (2 * log_weight).logsumexp(0)).exp()
+            out.set("ESS", ess / max(num_entries, 1))
+            out.set("mean_ratio", ratio.mean())
+            out.set("max_ratio", ratio.max() if num_entries else ratio.new_ones(()))
+            out.set("entropy", entropy.mean())
+            drift = log_weight.abs().max() if num_entries else log_weight.new_zeros(())
+            out.set("log_prob_drift", drift)
+            out.set("num_stochastic_steps", torch.tensor(num_entries))
+        self._clear_weakrefs(
+            tensordict,
+            out,
+            "actor_network_params",
+            "critic_network_params",
+            "target_actor_network_params",
+            "target_critic_network_params",
+        )
+        return out
+
+    def _reference_kl(
+        self, tensordict: TensorDictBase, steps: StochasticSteps, log_prob: Tensor
+    ) -> Tensor:
+        """Per-entry KL(pi || pi_ref) of the stochastic steps, ``[M]``."""
+        with torch.no_grad():
+            reference = self.reference_actor.stochastic_steps(
+                tensordict,
+                chain_key=self.tensor_keys.chain,
+                sde_mask_key=self.tensor_keys.sde_mask,
+            )
+        reference_mean = reference.mean.to(steps.mean.dtype)
+        if self.kl_estimator == "analytic":
+            squared = (steps.mean - reference_mean).pow(2).flatten(1).sum(-1)
+            return squared / (2 * steps.std.pow(2))
+        reference_log_prob = flow.gaussian_log_prob(steps.sample, reference_mean, steps.std)
+        return log_prob - reference_log_prob
