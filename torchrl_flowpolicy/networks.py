@@ -19,7 +19,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SigmaEmbedding", "MLPVelocityNetwork", "ObservationEncoder", "ActionExpertTransformer"]
+__all__ = [
+    "SigmaEmbedding",
+    "ObservationNormalizer",
+    "MLPVelocityNetwork",
+    "ObservationEncoder",
+    "ActionExpertTransformer",
+]
 
 
 class SigmaEmbedding(nn.Module):
@@ -42,6 +48,38 @@ class SigmaEmbedding(nn.Module):
     def forward(self, sigma: Tensor) -> Tensor:
         angles = sigma[..., None].to(self.frequencies.dtype) * self.frequencies
         return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class ObservationNormalizer(nn.Module):
+    """Fixed affine normalisation ``(observation - loc) / scale`` with its statistics as buffers.
+
+    The statistics travel with the model's ``state_dict`` (computed once, e.g. from the
+    demonstrations), so the environment stays raw and every consumer (policy, critic,
+    evaluation) sees the same inputs.
+
+    Example:
+        >>> normalizer = ObservationNormalizer(torch.tensor([1.0]), torch.tensor([2.0]))
+        >>> normalizer(torch.tensor([[3.0]]))
+        tensor([[1.]])
+    """
+
+    def __init__(self, loc: Tensor, scale: Tensor):
+        super().__init__()
+        if loc.shape != scale.shape:
+            raise ValueError(f"loc {tuple(loc.shape)} and scale {tuple(scale.shape)} differ.")
+        if not bool((scale > 0).all()):
+            raise ValueError("scale must be > 0 everywhere.")
+        self.register_buffer("loc", loc.clone())
+        self.register_buffer("scale", scale.clone())
+
+    @classmethod
+    def from_data(cls, observations: Tensor, min_scale: float = 1e-2) -> ObservationNormalizer:
+        """Statistics of ``observations [N, O]``; ``scale`` is floored at ``min_scale``."""
+        observations = observations.reshape(-1, observations.shape[-1]).float()
+        return cls(observations.mean(0), observations.std(0).clamp_min(min_scale))
+
+    def forward(self, observation: Tensor) -> Tensor:
+        return (observation - self.loc) / self.scale
 
 
 def _check_features(context: Tensor, expected: int, name: str) -> None:

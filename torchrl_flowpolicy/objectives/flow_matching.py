@@ -66,6 +66,9 @@ def flow_matching_per_sample(
     valid = torch.ones(num_decisions, rows, dtype=torch.bool, device=action.device)
     if row_mask is not None:
         valid = row_mask.reshape(num_decisions, rows).bool()
+        # Padding rows are zero, as the rows padded below: the network sees the whole chunk,
+        # so their content would otherwise leak into the error of the real rows.
+        action = torch.where(valid[..., None], action, torch.zeros((), dtype=dtype))
     if rows < chunk_length:
         action = torch.nn.functional.pad(action, (0, 0, 0, chunk_length - rows))
         valid = torch.nn.functional.pad(valid, (0, chunk_length - rows), value=False)

@@ -283,7 +283,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             tensordict, steps, torch.ones_like(values, dtype=torch.bool)
         )
         if self.reduction == "none":
-            return dense
+            # Validity masks read from the input zero their entries and keep the shape.
+            return self._reduce_loss(dense, tensordict)
         return self._reduce_loss(dense, tensordict, mask=mask)
 
     def _self_imitation(self, tensordict: TensorDictBase) -> Tensor:
@@ -353,7 +354,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             )
         with torch.no_grad():
             num_entries = log_weight.numel()
-            out.set("clip_fraction", (clipped_log_weight != log_weight).float().mean())
+            out.set("clip_fraction", (clipped_log_weight != log_weight).to(log_weight.dtype).mean())
             out.set("kl_approx", (-log_weight).mean())
             ess = (2 * log_weight.logsumexp(0) - (2 * log_weight).logsumexp(0)).exp()
             out.set("ESS", ess / max(num_entries, 1))
