@@ -1,0 +1,93 @@
+"""Checkpoints, chunk datasets and episode outcomes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint
+from torchrl_flowpolicy.data import make_chunk_dataset
+from torchrl_flowpolicy.evaluation import episode_outcomes
+from torchrl_flowpolicy.networks import ObservationNormalizer
+
+
+def test_checkpoint_round_trip_and_atomic_replace(tmp_path):
+    path = tmp_path / "run" / "checkpoint.pt"
+    save_checkpoint({"step": 1, "weights": torch.arange(3.0)}, path)
+    save_checkpoint({"step": 2, "weights": torch.ones(3)}, path)
+    state = load_checkpoint(path)
+    assert state["step"] == 2
+    torch.testing.assert_close(state["weights"], torch.ones(3))
+    # Only the checkpoint remains: no temporary files are left behind.
+    assert os.listdir(path.parent) == ["checkpoint.pt"]
+
+
+def test_checkpoint_failed_write_keeps_previous(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint({"step": 1}, path)
+    with pytest.raises(Exception):
+        save_checkpoint({"step": 2, "bad": lambda: None}, path)
+    assert load_checkpoint(path)["step"] == 1
+    assert os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
+def test_checkpoint_refuses_pickled_objects(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"object": ObservationNormalizer(torch.zeros(1), torch.ones(1))}, path)
+    with pytest.raises(Exception, match="weights_only"):
+        load_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_chunk_dataset_windows_stop_at_episode_end():
+    actions = torch.arange(5.0)[:, None].repeat(1, 2)
+    observations = torch.arange(5.0)[:, None]
+    episodes = torch.tensor([0, 0, 0, 1, 1])
+    data = make_chunk_dataset(observations, actions, episodes, chunk_length=3)
+    assert data.shape == (5,)
+    expected_first = torch.tensor([[0.0, 1.0, 2.0], [1.0, 2.0, 0.0], [2.0, 0.0, 0.0]])
+    torch.testing.assert_close(data["action"][:3, :, 0], expected_first)
+    torch.testing.assert_close(
+        data["action"][3:, :, 1], torch.tensor([[3.0, 4.0, 0.0], [4.0, 0, 0]])
+    )
+    expected_mask = torch.tensor(
+        [[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.bool
+    )
+    assert torch.equal(data["action_row_mask"], expected_mask)
+    torch.testing.assert_close(data["observation"], observations)
+
+
+def test_chunk_dataset_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="same number of steps"):
+        make_chunk_dataset(torch.zeros(3, 1), torch.zeros(2, 1), torch.zeros(3), 2)
+
+
+def test_episode_outcomes_use_first_done():
+    done = torch.tensor([[False, True, False], [False, False, False]])[..., None]
+    rollout = TensorDict(
+        {
+            "next": {
+                "done": done,
+                "reward": torch.tensor([[1.0, 2.0, 4.0], [1.0, 1.0, 1.0]])[..., None],
+                "success": torch.tensor([[False, True, False], [True, True, False]])[..., None],
+            }
+        },
+        batch_size=[2, 3],
+    )
+    outcomes = episode_outcomes(rollout)
+    torch.testing.assert_close(outcomes["return"], torch.tensor([3.0, 3.0]))
+    assert outcomes["success"].tolist() == [True, False]
+    assert outcomes["length"].tolist() == [2, 3]
+
+
+def test_observation_normalizer_from_data():
+    data = torch.tensor([[0.0, 5.0], [2.0, 5.0]])
+    normalizer = ObservationNormalizer.from_data(data, min_scale=0.5)
+    torch.testing.assert_close(normalizer.loc, torch.tensor([1.0, 5.0]))
+    torch.testing.assert_close(normalizer.scale, torch.tensor([2.0**0.5, 0.5]))
+    with pytest.raises(ValueError, match="scale"):
+        ObservationNormalizer(torch.zeros(1), torch.zeros(1))
