@@ -230,7 +230,7 @@ def sde_step(
         >>> x, v = torch.zeros(2, 3), torch.ones(2, 3)
         >>> mean, std = sde_step(x, v, torch.tensor(0.5), torch.tensor(0.25), 0.5)
         >>> mean[0, 0].item(), round(std.item(), 4)
-        (-0.3125, 0.25)
+        (-0.28125, 0.25)
     """
     if noise_level < 0:
         raise ValueError(f"noise_level must be >= 0, got {noise_level}.")

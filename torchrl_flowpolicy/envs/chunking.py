@@ -1,23 +1,32 @@
-"""Chunked execution: one policy decision executes a chunk of ``H`` environment steps.
+"""Chunked execution: one policy decision executes a chunk of ``H'`` environment steps.
 
-Built on TorchRL's :class:`~torchrl.envs.transforms.MultiAction`, which unbinds the chunk and
-steps the base environment once per row, stopping at the first done. :class:`ChunkedAction`
-fixes the chunk length in the action spec and turns the stacked per-step rewards into the
-decision's reward: the sum of the rewards of the executed steps (MultiAction zero-fills the
-skipped remainder of a chunk that hit a done, so they add nothing).
+:class:`ChunkedAction` is a TorchRL :class:`~torchrl.envs.transforms.MultiAction` with a fixed
+chunk length whose reward is the decision's reward: the sum of the rewards of the steps the
+environment actually executed. It steps the environment once per row of the chunk and stops
+at the first done; in a batched environment (:class:`~torchrl.envs.SerialEnv`,
+:class:`~torchrl.envs.ParallelEnv`) a sub-environment that is done mid-chunk is skipped for
+the rest of the chunk (TorchRL's ``"_step"`` partial-step mask) while the others go on, and
+only its executed steps count towards its reward.
 
-Per-decision discount: a decision spans up to ``H`` environment steps, and its reward is the
+The decision's ``done`` / ``terminated`` / ``truncated`` and next observation are those of
+the last executed step, so a rollout with ``break_when_any_done=False`` (or a collector)
+resets a sub-environment after the decision in which it finished, like any other step.
+
+Per-decision discount: a decision spans up to ``H'`` environment steps, and its reward is the
 undiscounted sum of those steps' rewards. A value estimator running at the decision level
-(GAE on the collected macro-steps) should use ``gamma_decision = gamma_step ** H`` to keep
-the effective horizon of a per-step ``gamma_step``; :func:`decision_discount` computes it.
-Within a chunk the rewards are not discounted (the usual SMDP approximation for short chunks).
+(GAE on the collected decisions) should use ``gamma_decision = gamma_step ** H'`` to keep the
+effective horizon of a per-step ``gamma_step``; :func:`decision_discount` computes it.
+Within a chunk the rewards are not discounted (the usual semi-MDP approximation for short
+chunks).
 """
 
 from __future__ import annotations
 
 import torch
 from tensordict import TensorDictBase
-from torchrl.data import Composite
+from tensordict.utils import NestedKey
+from torch import Tensor
+from torchrl.data import Bounded, Composite, TensorSpec
 from torchrl.envs import EnvBase, TransformedEnv
 from torchrl.envs.transforms import MultiAction
 
@@ -25,76 +34,199 @@ __all__ = ["ChunkedAction", "make_chunked_env", "decision_discount"]
 
 
 class ChunkedAction(MultiAction):
-    """TorchRL's :class:`~torchrl.envs.transforms.MultiAction` with a fixed chunk length and
-    the decision's reward.
+    """Execute a chunk of ``chunk_length`` actions per step; the reward is their sum.
 
-    MultiAction leaves the chunk dimension of the action spec dynamic (``-1``); fixing it to
-    ``chunk_length`` lets specs, random actions, fake tensordicts and storages know the shape.
-    With ``sum_rewards=True`` the stacked per-step rewards are summed into the decision's
-    reward, with the base environment's reward spec; MultiAction zero-fills the slots skipped
-    after a done, so they add nothing.
+    The action spec becomes ``[*B, chunk_length, *action_shape]`` (a fixed length, so specs,
+    random actions, fake tensordicts and storages know the shape); the reward spec keeps the
+    base environment's shape (a bounded reward's bounds are widened to those of a sum of
+    ``1..chunk_length`` rewards).
+
+    Row ``h`` of the chunk is the action of the ``h``-th environment step. Rows
+    ``0..chunk_length-2`` are executed while the action is read; the last row is executed by
+    the outer step, so transforms placed after this one run once per decision, and transforms
+    placed before it (or inside the wrapped environment) run on every environment step.
+
+    Differences from :class:`~torchrl.envs.transforms.MultiAction`: the chunk length is fixed
+    and checked; the reward is summed over the executed steps with an explicit per-sub-env
+    mask (MultiAction's stacked rewards of a batch-locked batched environment repeat the
+    stale reward of a sub-environment skipped after its done, which would count it again);
+    observations are never stacked.
 
     Args:
-        chunk_length: the number of rows executed per decision.
+        chunk_length: ``H'``, the number of rows executed per decision.
 
     Keyword Args:
-        sum_rewards: reduce the stacked rewards to their sum (default).
-        **kwargs: forwarded to :class:`~torchrl.envs.transforms.MultiAction`
-            (``stack_rewards`` defaults to ``True`` here).
+        action_key: the base environment's action key (default: its only action key). The
+            chunk is read from the same key.
+
+    Raises:
+        ValueError: ``chunk_length < 1``; at step time, a chunk whose shape is not
+            ``[*B, chunk_length, *action_shape]``.
+        RuntimeError: at step time, a batched environment that is not batch-locked (the
+            partial-step mask needs one).
+
+    Example:
+        >>> from torchrl.envs import GymEnv
+        >>> env = TransformedEnv(GymEnv("Pusher-v5"), ChunkedAction(4))  # doctest: +SKIP
+        >>> env.action_spec.shape, env.reward_spec.shape  # doctest: +SKIP
+        (torch.Size([4, 7]), torch.Size([1]))
     """
 
-    def __init__(self, chunk_length: int, *, sum_rewards: bool = True, **kwargs):
+    def __init__(self, chunk_length: int, *, action_key: NestedKey | None = None):
         if chunk_length < 1:
             raise ValueError(f"chunk_length must be >= 1, got {chunk_length}.")
-        kwargs.setdefault("stack_rewards", True)
-        super().__init__(**kwargs)
+        super().__init__(
+            dim=1, stack_rewards=False, stack_observations=False, action_key=action_key
+        )
         self.chunk_length = chunk_length
-        self.sum_rewards = sum_rewards
+        # Filled by ``_inv_call`` (the rows before the last one) and consumed by ``_step``
+        # (the last row), which TorchRL calls in that order within one ``env.step``.
+        self._reward_sum: dict[NestedKey, Tensor] | None = None
+        self._active: Tensor | None = None
+
+    # ------------------------------------------------------------------ specs
+    def _action_key(self, action_keys: list[NestedKey]) -> NestedKey:
+        if self.in_keys_inv:
+            return self.in_keys_inv[0]
+        if len(action_keys) != 1:
+            raise ValueError(
+                f"ChunkedAction needs a single action key, the environment has {action_keys}; "
+                f"pass action_key=... to choose the one that is chunked."
+            )
+        return action_keys[0]
 
     def transform_input_spec(self, input_spec: Composite) -> Composite:
         action_spec = input_spec["full_action_spec"]
-        action_keys = self.in_keys_inv or list(action_spec.keys(True, True))
-        chunk_keys = self.out_keys_inv or action_keys
-        one_step = {key: action_spec[key] for key in action_keys}
-        ndim = input_spec.ndim
-        input_spec = super().transform_input_spec(input_spec)
-        for action_key, chunk_key in zip(action_keys, chunk_keys, strict=True):
-            leaf = one_step[action_key]
-            for _ in range(self.dim):
-                leaf = leaf.unsqueeze(ndim)
-            shape = list(leaf.shape)
-            shape[ndim + self.dim - 1] = self.chunk_length
-            input_spec["full_action_spec"][chunk_key] = leaf.expand(shape)
+        action_key = self._action_key(list(action_spec.keys(True, True)))
+        batch_dims = input_spec.ndim
+        leaf = action_spec[action_key].unsqueeze(batch_dims)
+        shape = list(leaf.shape)
+        shape[batch_dims] = self.chunk_length
+        action_spec[action_key] = leaf.expand(shape)
+        input_spec["full_action_spec"] = action_spec
         return input_spec
 
-    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        # MultiAction stacks the executed steps' rewards (zero-filling the slots skipped after
-        # a done); the decision's reward is their sum. Called on both of MultiAction's paths.
-        next_tensordict = super()._step(tensordict, next_tensordict)
-        if self.stack_rewards and self.sum_rewards:
-            ndim = next_tensordict.ndim
-            for key in self.parent.reward_keys:
-                reward = next_tensordict.get(key)
-                next_tensordict.set(key, reward.sum(ndim + self.dim - 1))
-        return next_tensordict
+    def _transform_reward_spec(self, reward_spec: TensorSpec, ndim: int) -> TensorSpec:
+        # A sum of k in 1..H' rewards in [low, high] lies in [min(low, H' low), max(high, H' high)].
+        for key in list(reward_spec.keys(True, True)):
+            leaf = reward_spec[key]
+            if isinstance(leaf, Bounded):
+                low, high = leaf.space.low, leaf.space.high
+                reward_spec[key] = Bounded(
+                    low=torch.minimum(low, low * self.chunk_length),
+                    high=torch.maximum(high, high * self.chunk_length),
+                    shape=leaf.shape,
+                    dtype=leaf.dtype,
+                    device=leaf.device,
+                )
+        return reward_spec
 
-    def _transform_reward_spec(self, reward_spec, ndim):
-        if self.sum_rewards:
-            return reward_spec
-        return super()._transform_reward_spec(reward_spec, ndim)
+    # ------------------------------------------------------------------ stepping
+    @staticmethod
+    def _done(parent: EnvBase, next_tensordict: TensorDictBase) -> Tensor:
+        """``[*B]`` bool: whether any done entry of each sub-environment is set."""
+        batch_shape = next_tensordict.batch_size
+        done = torch.zeros(batch_shape, dtype=torch.bool, device=next_tensordict.device)
+        for key in parent.done_keys:
+            value = next_tensordict.get(key)
+            done = done | value.reshape(*batch_shape, -1).any(-1)
+        return done
+
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
+        parent = self.parent
+        if parent is None:
+            raise RuntimeError("ChunkedAction must be attached to an environment to step it.")
+        action_key = self._action_key(list(parent.action_keys))
+        batch_shape = tensordict.batch_size
+        if batch_shape and not parent.batch_locked:
+            raise RuntimeError(
+                "ChunkedAction needs a batch-locked environment (GymEnv, SerialEnv, "
+                "ParallelEnv, ...) to skip the sub-environments that are done mid-chunk; "
+                f"got {type(parent.base_env).__name__} with batch_locked=False."
+            )
+        chunk = tensordict.get(action_key, None)
+        if chunk is None:
+            raise KeyError(
+                f"ChunkedAction expected the action chunk at {action_key!r}; it is missing "
+                f"(keys: {list(tensordict.keys(True, True))})."
+            )
+        step_shape = parent.full_action_spec[action_key].shape[len(batch_shape) :]
+        expected = (*batch_shape, self.chunk_length, *step_shape)
+        if tuple(chunk.shape) != expected:
+            raise ValueError(
+                f"ChunkedAction(chunk_length={self.chunk_length}) got an action chunk of shape "
+                f"{tuple(chunk.shape)}, expected {expected} (batch shape, chunk length, action "
+                f"shape). With FlowSDEPolicy, executed_chunk_length must equal the "
+                f"environment's chunk_length."
+            )
+        rows = chunk.unbind(len(batch_shape))
+
+        # Sub-environments that step in this decision (a rollout may already skip some).
+        active = tensordict.pop("_step", None)
+        if active is None:
+            active = torch.ones(batch_shape, dtype=torch.bool, device=chunk.device)
+        else:
+            active = active.reshape(batch_shape).clone()
+        reward_sum = {key: parent.full_reward_spec[key].zero() for key in parent.reward_keys}
+
+        td = tensordict
+        for row in rows[:-1]:
+            td = td.copy()
+            td.set(action_key, row)
+            if not active.all():
+                td.set("_step", active)
+            td = parent.step(td)
+            next_td = td.get("next")
+            for key, total in reward_sum.items():
+                reward = next_td.get(key)
+                mask = active.reshape(*batch_shape, *([1] * (reward.ndim - len(batch_shape))))
+                reward_sum[key] = total + torch.where(mask, reward, torch.zeros_like(reward))
+            active = active & ~self._done(parent, next_td)
+            td = parent.step_mdp(td)
+            if not active.any():
+                break
+
+        td_out = td.copy()
+        td_out.set(action_key, rows[-1])
+        # When every sub-environment is already done, TorchRL skips the outer step and copies
+        # the root entries into "next": the root reward must then be the decision's reward.
+        td_out.update(reward_sum)
+        if not active.all():
+            td_out.set("_step", active)
+        self._reward_sum = reward_sum
+        self._active = active
+        return td_out
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        if self._reward_sum is None:
+            raise RuntimeError(
+                "ChunkedAction._step ran without the chunk's first rows: step the environment "
+                "with env.step / env.rollout, not the transform alone."
+            )
+        reward_sum, active = self._reward_sum, self._active
+        self._reward_sum = self._active = None
+        batch_shape = next_tensordict.batch_size
+        for key, total in reward_sum.items():
+            reward = next_tensordict.get(key)
+            mask = active.reshape(*batch_shape, *([1] * (reward.ndim - len(batch_shape))))
+            next_tensordict.set(key, total + torch.where(mask, reward, torch.zeros_like(reward)))
+        return next_tensordict
 
 
 def make_chunked_env(env: EnvBase, chunk_length: int) -> TransformedEnv:
     """Make ``env`` execute a chunk of ``chunk_length`` actions per step.
 
     The returned environment's action is ``[*B, chunk_length, D]``; its reward is the sum of
-    the executed steps' rewards; ``done`` / ``terminated`` / ``truncated`` are those of the
-    last executed step (MultiAction stops at the first done). Observation transforms that
-    must run on every inner step belong to ``env`` itself; transforms appended to the
-    returned environment run once per decision.
+    the executed steps' rewards; ``done`` / ``terminated`` / ``truncated`` and the next
+    observation are those of the last executed step (the chunk stops at the first done).
+    Observation transforms that must run on every inner step belong to ``env`` itself;
+    transforms appended to the returned environment run once per decision. When ``env`` is
+    a :class:`~torchrl.envs.TransformedEnv`, the result shares its base environment and holds
+    a copy of its transforms followed by :class:`ChunkedAction` (TorchRL's unwrapping of
+    nested transformed environments, which keeps ``rand_action`` working).
 
     Args:
-        env: any TorchRL environment (batched or not) with a single action key.
+        env: any batch-locked TorchRL environment (batched or not) with a single action key.
         chunk_length: ``H'``, the number of rows executed per decision.
 
     Example:
@@ -103,9 +235,18 @@ def make_chunked_env(env: EnvBase, chunk_length: int) -> TransformedEnv:
         >>> env.rollout(3)["action"].shape  # doctest: +SKIP
         torch.Size([3, 4, 7])
     """
-    return TransformedEnv(env, ChunkedAction(chunk_length))
+    return TransformedEnv(env, ChunkedAction(chunk_length), auto_unwrap=True)
 
 
 def decision_discount(gamma_step: float, chunk_length: int) -> float:
-    """The per-decision discount ``gamma_step ** chunk_length`` (see the module docstring)."""
-    return float(torch.tensor(gamma_step, dtype=torch.float64) ** chunk_length)
+    """The per-decision discount ``gamma_step ** chunk_length`` (see the module docstring).
+
+    Example:
+        >>> round(decision_discount(0.99, 4), 6)
+        0.960596
+    """
+    if not 0.0 <= gamma_step <= 1.0:
+        raise ValueError(f"gamma_step must be in [0, 1], got {gamma_step}.")
+    if chunk_length < 1:
+        raise ValueError(f"chunk_length must be >= 1, got {chunk_length}.")
+    return float(gamma_step) ** chunk_length
