@@ -20,7 +20,7 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
     checkpoint intact. ``state`` must hold only what ``torch.load(weights_only=True)``
     accepts: tensors, state dicts, numbers, strings, lists, tuples and dicts of those.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> path = Path(tempfile.mkdtemp()) / "checkpoint.pt"
         >>> _ = save_checkpoint({"step": 3, "weights": torch.ones(2)}, path)

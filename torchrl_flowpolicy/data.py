@@ -26,7 +26,7 @@ def make_chunk_dataset(
         ``[T, H]`` (``False`` on those padding rows), the keys
         :class:`~torchrl_flowpolicy.objectives.FlowMatchingLoss` reads.
 
-    Example:
+    Examples:
         >>> data = make_chunk_dataset(
         ...     torch.zeros(3, 2), torch.arange(3.0)[:, None], torch.tensor([0, 0, 1]), 2
         ... )

@@ -17,16 +17,14 @@ Shape glossary:
 
 Paper symbols and their names here:
 
-    ========================  ==========================
-    paper                     code
-    ========================  ==========================
-    sigma (Fast-WAM), t       ``sigma``
-    a                         ``noise_level``
-    g(sigma)                  ``noise_std_scale``
-    Delta_k                   ``step_size`` (negative)
-    mu_k, std_k               ``mean``, ``std``
-    grad log p_sigma(x)       ``score``
-    ========================  ==========================
+    | paper | code |
+    | --- | --- |
+    | sigma (Fast-WAM), t | ``sigma`` |
+    | a | ``noise_level`` |
+    | g(sigma) | ``noise_std_scale`` |
+    | Delta_k | ``step_size`` (negative) |
+    | mu_k, std_k | ``mean``, ``std`` |
+    | grad log p_sigma(x) | ``score`` |
 
 The Flow-SDE step is the reverse-time SDE of Song et al. (2021) that shares the marginals of
 the probability-flow ODE, with the noise schedule of Flow-GRPO (Liu et al., 2025) and pi-RL
@@ -74,7 +72,7 @@ def probability_dtype(dtype: torch.dtype) -> torch.dtype:
     The chain, the Gaussian means and the log-probabilities are kept in float32 or wider,
     even when the velocity network runs in bfloat16 or float16.
 
-    Example:
+    Examples:
         >>> probability_dtype(torch.bfloat16), probability_dtype(torch.float64)
         (torch.float32, torch.float64)
     """
@@ -103,7 +101,7 @@ def sigma_grid(
     Returns:
         A tensor of shape ``[K + 1]``.
 
-    Example:
+    Examples:
         >>> sigma_grid(4)
         tensor([1.0000, 0.7500, 0.5000, 0.2500, 0.0000])
     """
@@ -122,7 +120,7 @@ def noise_std_scale(sigma: Tensor, noise_level: float, schedule: NoiseSchedule =
     ``"sqrt"``: ``g = a * sqrt(sigma / (1 - sigma))`` (Flow-GRPO, pi-RL), with
     ``1 - sigma`` clamped to at least :data:`SIGMA_CLAMP`. ``"constant"``: ``g = a``.
 
-    Example:
+    Examples:
         >>> noise_std_scale(torch.tensor([0.5]), 0.5)
         tensor([0.5000])
     """
@@ -179,7 +177,7 @@ def step_coefficients(
     Returns:
         ``(x_coefficient, velocity_coefficient, std)``, each of shape ``[K]``.
 
-    Example:
+    Examples:
         >>> x_coef, v_coef, std = step_coefficients(sigma_grid(2), 0.0)
         >>> x_coef, v_coef, std
         (tensor([1., 1.]), tensor([-0.5000, -0.5000]), tensor([0., 0.]))
@@ -226,7 +224,7 @@ def sde_step(
     Returns:
         ``(mean, std)``; ``std`` has the shape of ``sigma``.
 
-    Example:
+    Examples:
         >>> x, v = torch.zeros(2, 3), torch.ones(2, 3)
         >>> mean, std = sde_step(x, v, torch.tensor(0.5), torch.tensor(0.25), 0.5)
         >>> mean[0, 0].item(), round(std.item(), 4)
@@ -258,7 +256,7 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor, event_dims: int = 2)
     Returns:
         The log-density, shape ``x.shape[:-event_dims]``.
 
-    Example:
+    Examples:
         >>> gaussian_log_prob(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor(1.0))
         tensor(-0.9189)
     """
@@ -289,7 +287,7 @@ def sample_sde_mask(
     * ``"last"``: the last ``num_sde_steps`` steps, ``K - n .. K - 1`` (needs ``n <= K - 1``).
     * ``"all"``: steps ``1..K-1``.
 
-    Example:
+    Examples:
         >>> sample_sde_mask((2,), 4, "all")
         tensor([[False,  True,  True,  True],
                 [False,  True,  True,  True]])
@@ -351,7 +349,7 @@ def sample_training_sigma(
     * ``"beta"``: pi0's schedule in this convention: ``sigma = 0.001 + 0.999 u``,
       ``u ~ Beta(1.5, 1)``, which favours high noise.
 
-    Example:
+    Examples:
         >>> sample_training_sigma((5,)).shape
         torch.Size([5])
     """

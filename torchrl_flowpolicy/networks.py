@@ -33,7 +33,7 @@ class SigmaEmbedding(nn.Module):
 
     Frequencies are geometric from 1 to 1000 (sigma lives in [0, 1]).
 
-    Example:
+    Examples:
         >>> SigmaEmbedding(16)(torch.rand(3)).shape
         torch.Size([3, 16])
     """
@@ -57,7 +57,7 @@ class ObservationNormalizer(nn.Module):
     demonstrations), so the environment stays raw and every consumer (policy, critic,
     evaluation) sees the same inputs.
 
-    Example:
+    Examples:
         >>> normalizer = ObservationNormalizer(torch.tensor([1.0]), torch.tensor([2.0]))
         >>> normalizer(torch.tensor([[3.0]]))
         tensor([[1.]])
@@ -103,7 +103,7 @@ class MLPVelocityNetwork(nn.Module):
         num_layers: number of hidden layers.
         sigma_embedding_dim: size of the sinusoidal sigma features.
 
-    Example:
+    Examples:
         >>> network = MLPVelocityNetwork(observation_dim=5, action_shape=(4, 2))
         >>> network(torch.randn(3, 4, 2), torch.rand(3), torch.randn(3, 5)).shape
         torch.Size([3, 4, 2])
@@ -150,7 +150,7 @@ class ObservationEncoder(nn.Module):
     Stands in for the expensive conditioning of a robot policy (a VLM prefix, a video
     model's first-frame cache): it runs once per decision, not once per denoising step.
 
-    Example:
+    Examples:
         >>> ObservationEncoder(5, model_dim=32, num_tokens=4)(torch.randn(3, 5)).shape
         torch.Size([3, 4, 32])
     """
@@ -196,7 +196,7 @@ class ActionExpertTransformer(nn.Module):
         num_layers: decoder layers.
         feedforward_dim: hidden size of the feed-forward blocks (default ``4 * model_dim``).
 
-    Example:
+    Examples:
         >>> encoder = ObservationEncoder(5, model_dim=32)
         >>> expert = ActionExpertTransformer((4, 2), model_dim=32, num_heads=2)
         >>> context = encoder(torch.randn(3, 5))  # once per decision

@@ -11,6 +11,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import Tensor, nn
+from torchrl.data import Binary, Composite, Unbounded
 from torchrl.envs.utils import ExplorationType, exploration_type
 
 from torchrl_flowpolicy import flow
@@ -70,7 +71,7 @@ class TimeReversedVelocity(nn.Module):
     Args:
         network: a callable ``network(x, t, context) -> v'`` in the ``t = 0`` noise convention.
 
-    Example:
+    Examples:
         >>> class DataMinusNoise(nn.Module):
         ...     def forward(self, x, t, context):
         ...         return context - x  # pushes x towards ``context``
@@ -100,15 +101,13 @@ class FlowSDEPolicy(TensorDictModuleBase):
     from ``x_0 ~ N(0, I)``, making the steps chosen by ``sde_mode`` stochastic Flow-SDE
     steps, and writes (``[*B]`` is the tensordict's batch shape):
 
-    ============================  ==================  =====================================
-    key                           shape               meaning
-    ============================  ==================  =====================================
-    ``"action"``                  ``[*B, H', D]``     executed rows of ``x_K`` (unclamped)
-    ``("flow", "chain")``         ``[*B, K+1, H, D]`` ``x_0 .. x_K``
-    ``("flow", "sde_mask")``      ``[*B, K]`` bool    which steps were stochastic
-    ``("flow", "step_log_prob")`` ``[*B, K]``         per-step log-prob, 0 where ODE
-    ``"action_log_prob"``         ``[*B]``            sum over the steps
-    ============================  ==================  =====================================
+    | key | shape | meaning |
+    | --- | --- | --- |
+    | ``"action"`` | ``[*B, H', D]`` | executed rows of ``x_K`` (unclamped) |
+    | ``("flow", "chain")`` | ``[*B, K+1, H, D]`` | ``x_0 .. x_K`` |
+    | ``("flow", "sde_mask")`` | ``[*B, K]`` bool | which steps were stochastic |
+    | ``("flow", "step_log_prob")`` | ``[*B, K]`` | per-step log-prob, 0 where ODE |
+    | ``"action_log_prob"`` | ``[*B]`` | sum over the steps |
 
     ``H' = executed_chunk_length`` (default ``H``). Under DETERMINISTIC / MODE / MEAN
     exploration it runs the plain ODE with ``eval_num_steps`` and writes ``"action"`` only.
@@ -132,7 +131,8 @@ class FlowSDEPolicy(TensorDictModuleBase):
         encoder: optional ``encoder(*observations) -> context``, run once per decision.
         num_steps: ``K`` for rollouts and ``log_prob``.
         eval_num_steps: ``K`` for the deterministic ODE.
-        noise_level: ``a`` (>= 0), the exploration knob.
+        noise_level: ``a`` (>= 0), the exploration knob. With ``a = 0`` no step is stochastic
+            (the RANDOM chain is the Euler ODE, its log-probs are 0).
         sde_mode: ``"mixed"`` (one random stochastic step in ``1..K-1``), ``"last"``
             (the last ``num_sde_steps``) or ``"all"`` (``1..K-1``).
         num_sde_steps: the number of stochastic steps for ``"last"``.
@@ -143,7 +143,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
             ``None``: all ``H`` rows.
         default_interaction_type: the mode used outside any exploration context.
 
-    Example:
+    Examples:
         >>> from tensordict import TensorDict
         >>> from torchrl.envs.utils import ExplorationType, set_exploration_type
         >>> from torchrl_flowpolicy.networks import MLPVelocityNetwork
@@ -230,10 +230,42 @@ class FlowSDEPolicy(TensorDictModuleBase):
                     return parameter.dtype
         return torch.float32
 
+    @property
+    def spec(self) -> Composite:
+        """The spec of the entries written under RANDOM exploration, for one decision.
+
+        TorchRL collectors read it to pre-allocate their buffers. Without it a collector
+        probes the policy once at construction, outside any exploration context, where the
+        policy runs the deterministic ODE and writes ``"action"`` only, so the collector
+        would silently drop the chain, mask and log-probs from every collected batch.
+        """
+        dtype = flow.probability_dtype(self.network_dtype)
+        parameter = next(iter(getattr(self.velocity_network, "parameters", list)()), None)
+        device = None if parameter is None else parameter.device
+        chunk_length, action_dim = self.action_shape
+        num_steps = self.num_steps
+        spec = Composite(device=device)
+        spec[ACTION_KEY] = Unbounded(
+            (self.executed_chunk_length, action_dim), dtype=dtype, device=device
+        )
+        spec[CHAIN_KEY] = Unbounded(
+            (num_steps + 1, chunk_length, action_dim), dtype=dtype, device=device
+        )
+        spec[SDE_MASK_KEY] = Binary(num_steps, dtype=torch.bool, device=device)
+        spec[STEP_LOG_PROB_KEY] = Unbounded((num_steps,), dtype=dtype, device=device)
+        spec[LOG_PROB_KEY] = Unbounded((), dtype=dtype, device=device)
+        return spec
+
     def _schedule(
         self, num_steps: int, dtype: torch.dtype, device: torch.device
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(sigmas [K+1], x_coefficient [K], velocity_coefficient [K], std [K])``, cached."""
+        return self._sampling_schedule(num_steps, dtype, device)[:4]
+
+    def _sampling_schedule(
+        self, num_steps: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`_schedule` followed by the Euler step sizes ``Delta_k [K]``, cached."""
         key = (num_steps, dtype, device)
         cached = self._schedule_cache.get(key)
         if cached is None:
@@ -241,6 +273,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
             cached = (
                 sigmas,
                 *flow.step_coefficients(sigmas, self.noise_level, self.noise_schedule),
+                sigmas[1:] - sigmas[:-1],
             )
             self._schedule_cache[key] = cached
         return cached
@@ -302,76 +335,127 @@ class FlowSDEPolicy(TensorDictModuleBase):
         num_steps: int,
         sde_mask: Tensor | None,
         step_noise: Tensor | None,
+        *,
+        network_dtype: torch.dtype | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Run the mixed ODE/SDE chain. Returns ``(chain, means or None, sigmas)``."""
-        network_dtype = self.network_dtype
+        """Run the mixed ODE/SDE chain. Returns ``(chain, means or None, sigmas)``.
+
+        ``network_dtype`` saves the parameter lookup when the caller already has it.
+        """
+        if network_dtype is None:
+            network_dtype = self.network_dtype
         dtype = flow.probability_dtype(network_dtype)
-        device = initial_noise.device
-        sigmas, x_coefficient, velocity_coefficient, std = self._schedule(num_steps, dtype, device)
-        num_decisions = initial_noise.shape[0]
-        step_size = sigmas[1:] - sigmas[:-1]
-        network_sigmas = sigmas.to(network_dtype)
-        chain = initial_noise.new_empty(
-            (num_decisions, num_steps + 1, *self.action_shape), dtype=dtype
+        cast = network_dtype != dtype
+        sigmas, x_coefficient, velocity_coefficient, std, step_size = self._sampling_schedule(
+            num_steps, dtype, initial_noise.device
         )
-        chain[:, 0] = initial_noise
+        num_decisions = initial_noise.shape[0]
+        sigma_steps = (
+            sigmas[:-1].to(network_dtype)[:, None].expand(num_steps, num_decisions).unbind(0)
+        )
+        # Preallocated, step-major: chain[k] and means[k] are contiguous blocks that each step
+        # writes in place (``out=``); the returned views are [N, K + 1, H, D] and [N, K, H, D].
+        chain = initial_noise.new_empty(
+            (num_steps + 1, num_decisions, *self.action_shape), dtype=dtype
+        )
+        chain[0] = initial_noise
         means = None
-        if sde_mask is not None:
+        if sde_mask is None:
+            for step in range(num_steps):
+                x = chain[step]
+                velocity = self._velocity(
+                    x.to(network_dtype) if cast else x, sigma_steps[step], context, step
+                )
+                if cast:
+                    velocity = velocity.to(dtype)
+                torch.add(x, velocity * step_size[step], out=chain[step + 1])
+        else:
             # Per-decision coefficients, selected once: an ODE step is (1, Delta, 0).
-            x_coefficient = torch.where(sde_mask, x_coefficient, torch.ones_like(x_coefficient))
+            x_coefficient = torch.where(sde_mask, x_coefficient, 1.0)
             velocity_coefficient = torch.where(sde_mask, velocity_coefficient, step_size)
-            std = torch.where(sde_mask, std, torch.zeros_like(std))
-            x_coefficient, velocity_coefficient, std = (
-                c[..., None, None] for c in (x_coefficient, velocity_coefficient, std)
-            )
-            means = torch.empty_like(chain[:, 1:])
-        x = chain[:, 0]
-        for step in range(num_steps):
-            sigma = network_sigmas[step].expand(num_decisions)
-            velocity = self._velocity(x.to(network_dtype), sigma, context, step).to(dtype)
-            if sde_mask is None:
-                x = x + velocity * step_size[step]
-            else:
-                mean = x_coefficient[:, step] * x + velocity_coefficient[:, step] * velocity
-                means[:, step] = mean
-                x = mean + std[:, step] * step_noise[:, step]
-            chain[:, step + 1] = x
-        if not torch.isfinite(chain).all():
+            std = torch.where(sde_mask, std, 0.0)
+            # The noise terms std_k * xi_k of all steps in one multiplication.
+            noise_steps = (std[..., None, None] * step_noise).unbind(1)
+            x_steps = x_coefficient[..., None, None].unbind(1)
+            velocity_steps = velocity_coefficient[..., None, None].unbind(1)
+            means = torch.empty_like(chain[1:])
+            for step in range(num_steps):
+                x = chain[step]
+                velocity = self._velocity(
+                    x.to(network_dtype) if cast else x, sigma_steps[step], context, step
+                )
+                if cast:
+                    velocity = velocity.to(dtype)
+                torch.add(x_steps[step] * x, velocity_steps[step] * velocity, out=means[step])
+                torch.add(means[step], noise_steps[step], out=chain[step + 1])
+            means = means.transpose(0, 1)
+        chain = chain.transpose(0, 1)
+        # A finite sum proves a finite chain; only a non-finite sum needs the exact check.
+        if not torch.isfinite(chain.sum()) and not torch.isfinite(chain).all():
             self._raise_non_finite(chain, sigmas)
         return chain, means, sigmas
 
-    def _new_noise(self, shape: Sequence[int], like: Tensor) -> Tensor:
-        dtype = flow.probability_dtype(self.network_dtype)
+    def _new_noise(
+        self, shape: Sequence[int], like: Tensor, network_dtype: torch.dtype | None = None
+    ) -> Tensor:
+        if network_dtype is None:
+            network_dtype = self.network_dtype
+        dtype = flow.probability_dtype(network_dtype)
         return torch.randn(tuple(shape), dtype=dtype, device=like.device)
 
+    @torch.no_grad()
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Sample chunks (see the class docstring); never tracks gradients.
+
+        Gradients of the log-probabilities come from :meth:`log_prob` /
+        :meth:`stochastic_steps`, which recompute them from the stored chain.
+        """
         mode = exploration_type() or self.default_interaction_type
         batch_shape = tensordict.batch_size
         context = self.context(tensordict)
         reference = context[0] if isinstance(context, tuple) else context
         num_decisions = max(math.prod(batch_shape), 1)
         executed = self.executed_chunk_length
+        network_dtype = self.network_dtype
+        if len(batch_shape) == 1:
+
+            def unflatten(value: Tensor) -> Tensor:
+                return value
+
+        else:
+
+            def unflatten(value: Tensor) -> Tensor:
+                return value.reshape((*batch_shape, *value.shape[1:]))
+
         if mode != ExplorationType.RANDOM:
-            noise = self._new_noise((num_decisions, *self.action_shape), reference)
-            chain, _, _ = self._integrate(context, noise, self.eval_num_steps, None, None)
-            action = chain[:, -1, :executed]
-            return tensordict.set(ACTION_KEY, action.reshape((*batch_shape, *action.shape[1:])))
+            noise = self._new_noise((num_decisions, *self.action_shape), reference, network_dtype)
+            chain, _, _ = self._integrate(
+                context, noise, self.eval_num_steps, None, None, network_dtype=network_dtype
+            )
+            return tensordict.set(ACTION_KEY, unflatten(chain[:, -1, :executed]))
 
         num_steps = self.num_steps
-        noise = self._new_noise((num_decisions, num_steps + 1, *self.action_shape), reference)
+        noise = self._new_noise(
+            (num_decisions, num_steps + 1, *self.action_shape), reference, network_dtype
+        )
         sde_mask = flow.sample_sde_mask(
             (num_decisions,), num_steps, self.sde_mode, self.num_sde_steps, device=reference.device
         )
-        chain, means, _ = self._integrate(context, noise[:, 0], num_steps, sde_mask, noise[:, 1:])
-        std = self._schedule(num_steps, chain.dtype, chain.device)[3]
-        safe_std = torch.where(sde_mask, std, torch.ones_like(std))
-        step_log_prob = flow.gaussian_log_prob(
-            chain[:, 1:, :executed], means[:, :, :executed], safe_std
+        if self.noise_level == 0:
+            # No noise, no Gaussian step: the chain is the Euler ODE and has no density.
+            sde_mask = torch.zeros_like(sde_mask)
+        chain, means, _ = self._integrate(
+            context, noise[:, 0], num_steps, sde_mask, noise[:, 1:], network_dtype=network_dtype
         )
-        step_log_prob = torch.where(sde_mask, step_log_prob, torch.zeros_like(step_log_prob))
-
-        def unflatten(value: Tensor) -> Tensor:
-            return value.reshape((*batch_shape, *value.shape[1:]))
+        std = self._sampling_schedule(num_steps, chain.dtype, chain.device)[3]
+        safe_std = torch.where(sde_mask, std, 1.0)
+        if executed < self.action_shape[0]:
+            step_log_prob = flow.gaussian_log_prob(
+                chain[:, 1:, :executed], means[:, :, :executed], safe_std
+            )
+        else:
+            step_log_prob = flow.gaussian_log_prob(chain[:, 1:], means, safe_std)
+        step_log_prob = torch.where(sde_mask, step_log_prob, 0.0)
 
         tensordict.set(ACTION_KEY, unflatten(chain[:, -1, :executed]))
         tensordict.set(CHAIN_KEY, unflatten(chain))
@@ -418,7 +502,11 @@ class FlowSDEPolicy(TensorDictModuleBase):
         expected = (*tensordict.batch_size, *trailing)
         if tuple(value.shape) != expected:
             hint = ""
-            if len(trailing) == 3 and value.ndim == len(expected) and value.shape[-3] != trailing[0]:
+            if (
+                len(trailing) == 3
+                and value.ndim == len(expected)
+                and value.shape[-3] != trailing[0]
+            ):
                 hint = (
                     f" The stored chain has K={value.shape[-3] - 1} steps but the policy has "
                     f"num_steps={self.num_steps}: score it with a policy of the same num_steps."

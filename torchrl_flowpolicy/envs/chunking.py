@@ -65,7 +65,7 @@ class ChunkedAction(MultiAction):
         RuntimeError: at step time, a batched environment that is not batch-locked (the
             partial-step mask needs one).
 
-    Example:
+    Examples:
         >>> from torchrl.envs import GymEnv
         >>> env = TransformedEnv(GymEnv("Pusher-v5"), ChunkedAction(4))  # doctest: +SKIP
         >>> env.action_spec.shape, env.reward_spec.shape  # doctest: +SKIP
@@ -229,7 +229,7 @@ def make_chunked_env(env: EnvBase, chunk_length: int) -> TransformedEnv:
         env: any batch-locked TorchRL environment (batched or not) with a single action key.
         chunk_length: ``H'``, the number of rows executed per decision.
 
-    Example:
+    Examples:
         >>> from torchrl.envs import GymEnv
         >>> env = make_chunked_env(GymEnv("Pusher-v5"), chunk_length=4)  # doctest: +SKIP
         >>> env.rollout(3)["action"].shape  # doctest: +SKIP
@@ -241,7 +241,7 @@ def make_chunked_env(env: EnvBase, chunk_length: int) -> TransformedEnv:
 def decision_discount(gamma_step: float, chunk_length: int) -> float:
     """The per-decision discount ``gamma_step ** chunk_length`` (see the module docstring).
 
-    Example:
+    Examples:
         >>> round(decision_discount(0.99, 4), 6)
         0.960596
     """

@@ -104,7 +104,7 @@ class FlowMatchingLoss(LossModule):
     Keys (``set_keys``): ``action`` (the target chunk, ``[*B, H', D]``) and ``row_mask``
     (``[*B, H']`` booleans marking real rows; absent: all rows are real).
 
-    Example:
+    Examples:
         >>> from tensordict import TensorDict
         >>> from torchrl_flowpolicy.networks import MLPVelocityNetwork
         >>> policy = FlowSDEPolicy(MLPVelocityNetwork(5, (4, 2)), action_shape=(4, 2))

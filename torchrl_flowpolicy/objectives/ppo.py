@@ -95,7 +95,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     ``|logp_new - logp_old|``: about 0 on freshly collected data; a rollout/learner mismatch
     alarm) and ``num_stochastic_steps``.
 
-    Example:
+    Examples:
         >>> from tensordict import TensorDict
         >>> from torchrl.envs.utils import ExplorationType, set_exploration_type
         >>> from torchrl_flowpolicy import FlowSDEPolicy

@@ -1,0 +1,88 @@
+"""The documentation's code runs: docstring examples, page code blocks, API page targets.
+
+* Every ``Example:`` in the package's docstrings is run as a doctest.
+* Every fenced ``python`` block of ``README.md`` and of the pages in ``docs/`` is run, the
+  blocks of one page in order in one namespace (a page opts out with the line
+  ``<!-- docs-test: skip -->``; illustrative snippets that should not run use another fence
+  language, such as ``text``).
+* Every ``::: module`` target of the API pages imports.
+
+The strict site build itself (``mkdocs build --strict``) runs in ``scripts/run_tests.sh``.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchrl_flowpolicy
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PYTHON_BLOCK = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+SKIP_PAGE = "<!-- docs-test: skip -->"
+
+MODULES = sorted(
+    info.name for info in pkgutil.walk_packages(torchrl_flowpolicy.__path__, "torchrl_flowpolicy.")
+)
+PAGES = sorted(
+    str(path.relative_to(ROOT))
+    for path in [ROOT / "README.md", *DOCS.rglob("*.md")]
+    if PYTHON_BLOCK.search(path.read_text()) and SKIP_PAGE not in path.read_text()
+)
+
+
+def import_or_skip(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name and not error.name.startswith("torchrl_flowpolicy"):
+            pytest.skip(f"{name} needs the optional package {error.name!r}")
+        raise
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = import_or_skip(name)
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=flags)
+    for test in finder.find(module, name, globs=vars(module).copy()):
+        runner.run(test)
+    results = runner.summarize(verbose=False)
+    assert results.failed == 0, f"{results.failed} docstring example(s) of {name} failed (above)"
+
+
+@pytest.fixture
+def one_thread():
+    # The pages' examples run small networks one decision at a time: several torch threads
+    # only contend with each other (and with other jobs on a small machine).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_code_blocks(page, one_thread):
+    namespace: dict = {"__name__": f"docs_{Path(page).stem}"}
+    for index, block in enumerate(PYTHON_BLOCK.findall((ROOT / page).read_text())):
+        code = compile(block, f"{page} (python block {index})", "exec")
+        exec(code, namespace)
+
+
+def test_api_pages_name_importable_modules():
+    targets = [
+        match
+        for path in DOCS.rglob("*.md")
+        for match in re.findall(r"^::: ([\w.]+)", path.read_text(), re.MULTILINE)
+    ]
+    assert targets, "no API page found under docs/"
+    for target in targets:
+        importlib.import_module(target)

@@ -1,0 +1,159 @@
+"""``BatchedGymEnv``: several gymnasium environments behind one batch-locked TorchRL env.
+
+TorchRL's :class:`~torchrl.envs.SerialEnv` steps each sub-environment through its own
+TorchRL wrapper, paying the TensorDict bookkeeping once per sub-environment and step; for a
+fast simulator such as MuJoCo that bookkeeping dominates. This environment keeps ``N``
+plain gymnasium environments, steps them in one Python loop over NumPy arrays and pays the
+TensorDict cost once per batched step (see ``benchmarks/bench_envs.py`` for the ratio).
+
+It honours TorchRL's partial-step (``"_step"``) and partial-reset (``"_reset"``) masks, so
+:class:`~torchrl_flowpolicy.envs.ChunkedAction` can stop the sub-environments that finish
+mid-chunk, and collectors can reset the finished ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data import Bounded, Categorical, Composite, Unbounded
+from torchrl.envs import EnvBase
+
+__all__ = ["BatchedGymEnv"]
+
+
+class BatchedGymEnv(EnvBase):
+    """``num_envs`` copies of a gymnasium environment with a Box observation and action.
+
+    Observations and rewards are float32. ``env.set_seed(seed)`` seeds sub-environment ``i``
+    with ``seed + i`` at its next reset (the convention of TorchRL's batched environments);
+    later resets continue each sub-environment's own random stream.
+
+    Args:
+        env_id: the gymnasium id, e.g. ``"Pusher-v5"``.
+        num_envs: the batch size.
+
+    Keyword Args:
+        device: the TorchRL device (tensors are made on the CPU, then moved).
+        **make_kwargs: forwarded to ``gymnasium.make`` (e.g. ``max_episode_steps``).
+
+    Examples:
+        >>> env = BatchedGymEnv("Pusher-v5", 3, max_episode_steps=10)
+        >>> env.rollout(4)["next", "observation"].shape
+        torch.Size([3, 4, 23])
+    """
+
+    batch_locked = True
+
+    def __init__(
+        self,
+        env_id: str,
+        num_envs: int,
+        *,
+        device: torch.device | str | None = None,
+        **make_kwargs: Any,
+    ):
+        if num_envs < 1:
+            raise ValueError(f"num_envs must be >= 1, got {num_envs}.")
+        super().__init__(batch_size=torch.Size([num_envs]), device=device)
+        self.env_id = env_id
+        self.envs = [gym.make(env_id, **make_kwargs) for _ in range(num_envs)]
+        observation_space = self.envs[0].observation_space
+        action_space = self.envs[0].action_space
+        if not isinstance(observation_space, gym.spaces.Box) or not isinstance(
+            action_space, gym.spaces.Box
+        ):
+            raise TypeError(
+                f"BatchedGymEnv needs Box observation and action spaces; {env_id} has "
+                f"{type(observation_space).__name__} and {type(action_space).__name__}."
+            )
+        batch = (num_envs,)
+        self.observation_spec = Composite(
+            observation=Unbounded(
+                batch + observation_space.shape, dtype=torch.float32, device=self.device
+            ),
+            shape=batch,
+        )
+        self.action_spec = Bounded(
+            low=torch.as_tensor(action_space.low, dtype=torch.float32).expand(
+                batch + action_space.shape
+            ),
+            high=torch.as_tensor(action_space.high, dtype=torch.float32).expand(
+                batch + action_space.shape
+            ),
+            shape=batch + action_space.shape,
+            dtype=torch.float32,
+            device=self.device,
+        )
+        self.reward_spec = Unbounded(batch + (1,), dtype=torch.float32, device=self.device)
+        self.full_done_spec = Composite(
+            done=Categorical(2, batch + (1,), dtype=torch.bool, device=self.device),
+            terminated=Categorical(2, batch + (1,), dtype=torch.bool, device=self.device),
+            truncated=Categorical(2, batch + (1,), dtype=torch.bool, device=self.device),
+            shape=batch,
+        )
+        self._observation = np.zeros((num_envs, *observation_space.shape), dtype=np.float32)
+        self._seeds: list[int | None] = [None] * num_envs
+
+    def _set_seed(self, seed: int | None) -> None:
+        if seed is None:
+            self._seeds = [None] * len(self.envs)
+        else:
+            self._seeds = [seed + index for index in range(len(self.envs))]
+
+    def _mask(self, tensordict: TensorDictBase | None, key: str) -> np.ndarray:
+        if tensordict is None:
+            return np.ones(len(self.envs), dtype=bool)
+        mask = tensordict.get(key, None)
+        if mask is None:
+            return np.ones(len(self.envs), dtype=bool)
+        return mask.reshape(len(self.envs)).cpu().numpy()
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
+        for index in np.flatnonzero(self._mask(tensordict, "_reset")):
+            observation, _ = self.envs[index].reset(seed=self._seeds[index])
+            self._seeds[index] = None
+            self._observation[index] = observation
+        false = torch.zeros((len(self.envs), 1), dtype=torch.bool)
+        return TensorDict(
+            {
+                "observation": torch.from_numpy(self._observation.copy()),
+                "done": false,
+                "terminated": false.clone(),
+                "truncated": false.clone(),
+            },
+            batch_size=self.batch_size,
+        ).to(self.device)
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        action = tensordict.get("action").detach().cpu().numpy()
+        num_envs = len(self.envs)
+        reward = np.zeros((num_envs, 1), dtype=np.float32)
+        terminated = np.zeros((num_envs, 1), dtype=bool)
+        truncated = np.zeros((num_envs, 1), dtype=bool)
+        for index in np.flatnonzero(self._mask(tensordict, "_step")):
+            observation, step_reward, step_terminated, step_truncated, _ = self.envs[index].step(
+                action[index]
+            )
+            self._observation[index] = observation
+            reward[index] = step_reward
+            terminated[index] = step_terminated
+            truncated[index] = step_truncated
+        return TensorDict(
+            {
+                "observation": torch.from_numpy(self._observation.copy()),
+                "reward": torch.from_numpy(reward),
+                "done": torch.from_numpy(terminated | truncated),
+                "terminated": torch.from_numpy(terminated),
+                "truncated": torch.from_numpy(truncated),
+            },
+            batch_size=self.batch_size,
+        ).to(self.device)
+
+    def close(self, *, raise_if_closed: bool = True) -> None:
+        for env in self.envs:
+            env.close()
+        super().close(raise_if_closed=raise_if_closed)
