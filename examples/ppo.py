@@ -303,9 +303,12 @@ def main(config: PPOConfig) -> dict:
         replay_buffer.extend(batch.reshape(-1))
         train_actor = iteration > config.critic_warmup_iterations
         metrics: dict[str, list[float]] = {}
+        fresh_drift = None
         for _ in range(config.epochs):
             for minibatch in replay_buffer:
                 losses = loss_module(minibatch)
+                if fresh_drift is None:  # before any update: the rollout/learner mismatch alarm
+                    fresh_drift = losses["log_prob_drift"].item()
                 actor_loss = losses["loss_objective"]
                 for name in ("loss_kl", "loss_bc"):
                     if name in losses.keys():
@@ -319,7 +322,7 @@ def main(config: PPOConfig) -> dict:
                     torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
                     actor_optimizer.step()
                 for name, value in losses.items():
-                    metrics.setdefault(name, []).append(float(value))
+                    metrics.setdefault(name, []).append(float(value.detach()))
         collector.update_policy_weights_()
 
         done = batch["next", "done"].squeeze(-1)
@@ -329,6 +332,7 @@ def main(config: PPOConfig) -> dict:
             {
                 "train/episode_success": train_success.mean().item() if done.any() else 0.0,
                 "train/chunk_reward": batch["next", "reward"].mean().item(),
+                "log_prob_drift_before_update": fresh_drift,
                 "iteration": iteration,
             }
         )

@@ -92,3 +92,28 @@ def test_observation_normalizer_from_data():
     torch.testing.assert_close(normalizer.scale, torch.tensor([2.0**0.5, 0.5]))
     with pytest.raises(ValueError, match="scale"):
         ObservationNormalizer(torch.zeros(1), torch.zeros(1))
+
+
+def test_evaluate_policy_is_reproducible_and_keeps_the_callers_rng():
+    from torchrl.envs import TransformedEnv
+
+    from torchrl_flowpolicy import FlowSDEPolicy
+    from torchrl_flowpolicy.envs import BatchedGymEnv, PusherTask, make_chunked_env
+    from torchrl_flowpolicy.evaluation import evaluate_policy
+    from torchrl_flowpolicy.networks import MLPVelocityNetwork
+
+    torch.manual_seed(0)
+    policy = FlowSDEPolicy(
+        MLPVelocityNetwork(23, (4, 7), hidden_dim=32), action_shape=(4, 7), eval_num_steps=4
+    )
+    env = make_chunked_env(
+        TransformedEnv(BatchedGymEnv("Pusher-v5", 3, max_episode_steps=8), PusherTask()), 4
+    )
+    state = torch.get_rng_state()
+    first = evaluate_policy(policy, env, max_decisions=2, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)
+    second = evaluate_policy(policy, env, max_decisions=2, seed=7)
+    other = evaluate_policy(policy, env, max_decisions=2, seed=8)
+    assert first["num_episodes"] == 3
+    assert first["mean_return"] == second["mean_return"]
+    assert first["mean_return"] != other["mean_return"]

@@ -50,8 +50,10 @@ def evaluate_policy(
 ) -> dict[str, float]:
     """Run one episode in each of ``env``'s batched environments and summarise them.
 
-    ``env`` is seeded with ``seed`` before its reset, so the same ``seed`` gives the same
-    initial states: use a fixed evaluation seed to compare checkpoints. Under the default
+    ``env`` is seeded with ``seed`` before its reset and torch's global RNG with ``seed``
+    inside a forked RNG state, so the same ``seed`` gives the same initial states and the
+    same policy noise (a flow policy's ``x_0``): use a fixed evaluation seed to compare
+    checkpoints. The caller's random stream is left untouched. Under the default
     DETERMINISTIC exploration a :class:`~torchrl_flowpolicy.FlowSDEPolicy` runs its ODE with
     ``eval_num_steps``.
 
@@ -71,7 +73,10 @@ def evaluate_policy(
     """
     start = time.perf_counter()
     env.set_seed(seed)
-    with set_exploration_type(exploration_type):
+    # The policy's own randomness (a flow policy's initial noise) is seeded too, in a forked
+    # RNG so that evaluating does not change the caller's random stream.
+    with torch.random.fork_rng(devices=[]), set_exploration_type(exploration_type):
+        torch.manual_seed(seed)
         rollout = env.rollout(
             max_decisions, policy, break_when_any_done=False, break_when_all_done=True
         )

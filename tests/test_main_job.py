@@ -1,0 +1,90 @@
+"""The main job end to end at a tiny budget: demos -> pretraining -> PPO -> evaluation -> plot.
+
+Runs ``examples/ppo.py --quick`` as a user would (a subprocess from the repository root),
+kills it once it has written its first checkpoint, resumes it, and checks that the resumed run
+continued from the saved iteration and wrote its summary, plot and checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchrl_flowpolicy.checkpoint import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def command(output: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        str(ROOT / "examples" / "ppo.py"),
+        "--quick",
+        "--loggers",
+        "csv",
+        "--output_dir",
+        str(output / "ppo"),
+        "--pretrained_checkpoint",
+        str(output / "pretrain" / "policy.pt"),
+        "--pretrain.demo_dir",
+        str(output / "demos"),
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_quick_run_is_killed_then_resumed(tmp_path):
+    environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
+    checkpoint = tmp_path / "ppo" / "checkpoint.pt"
+    process = subprocess.Popen(
+        command(tmp_path),
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 600
+    while not checkpoint.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    process.kill()
+    output, _ = process.communicate()
+    assert checkpoint.exists(), f"no checkpoint was written:\n{output[-3000:]}"
+    saved_iteration = load_checkpoint(checkpoint)["iteration"]
+    assert saved_iteration >= 1
+
+    resumed = subprocess.run(
+        command(tmp_path, "--resume"),
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    match = re.search(r"resumed from iteration (\d+)", resumed.stdout)
+    assert match is not None, resumed.stdout[-3000:]
+    assert int(match.group(1)) == saved_iteration
+
+    summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
+    total_iterations = summary["config"]["total_env_steps"] // (
+        summary["config"]["num_envs"] * summary["config"]["max_episode_steps"]
+    )
+    assert summary["iterations"] == total_iterations
+    assert summary["env_steps"] == total_iterations * 4 * 150
+    assert 0.0 <= summary["bc_success"] <= 1.0 and 0.0 <= summary["rl_success"] <= 1.0
+    assert "BC success" in resumed.stdout and "RL success" in resumed.stdout
+    plot = tmp_path / "ppo" / "learning_curve.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    state = load_checkpoint(checkpoint)
+    assert state["iteration"] == total_iterations
+    assert all(torch.isfinite(value).all() for value in state["policy"].values())
+    assert (tmp_path / "pretrain" / "policy.pt").exists()
