@@ -754,3 +754,23 @@ def test_bad_constructor_arguments_are_rejected():
             DenoisingClipPPOLoss(policy, dual_clip=dual_clip)
     with pytest.raises(ValueError, match="delay_actor"):
         DenoisingClipPPOLoss(policy, delay_actor=True)
+
+
+def test_self_imitation_reduction_none_is_per_decision():
+    from torchrl_flowpolicy.networks import MLPVelocityNetwork as _MLP
+
+    torch.manual_seed(0)
+    policy = FlowSDEPolicy(_MLP(5, (4, 2), hidden_dim=16), action_shape=(4, 2))
+    data = TensorDict({"observation": torch.randn(6, 5)}, batch_size=[6])
+    with set_exploration_type(ExplorationType.RANDOM):
+        data = policy(data)
+    data["advantage"] = torch.randn(6, 1)
+    data["success"] = torch.tensor([True, False, True, False, False, True])
+    per_decision = DenoisingClipPPOLoss(policy, bc_coeff=1.0, reduction="none")
+    torch.manual_seed(1)
+    values = per_decision(data)["loss_bc"]
+    assert values.shape == (6,)
+    assert (values[~data["success"]] == 0).all() and (values[data["success"]] > 0).all()
+    averaged = DenoisingClipPPOLoss(policy, bc_coeff=1.0)
+    torch.manual_seed(1)
+    torch.testing.assert_close(averaged(data)["loss_bc"], values[data["success"]].mean())

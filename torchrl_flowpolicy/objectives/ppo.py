@@ -301,6 +301,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             )
         success = success.reshape(batch_shape).bool()
         if not success.any():
+            if self.reduction == "none":
+                return torch.zeros(batch_shape, device=success.device)
             return torch.zeros((), device=success.device)
         flat = tensordict.reshape(-1)[success.reshape(-1)]
         with self._actor_parameters():
@@ -311,7 +313,13 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
                 sigma_distribution=self.sigma_distribution,
                 context_grad=self.context_grad,
             )
-        return error.mean() if self.reduction != "sum" else error.sum()
+        if self.reduction == "none":
+            # One value per decision, zero for the decisions not flagged successful.
+            dense = error.new_zeros(success.numel()).index_put(
+                (success.reshape(-1).nonzero().squeeze(-1),), error
+            )
+            return dense.reshape(batch_shape)
+        return error.mean() if self.reduction == "mean" else error.sum()
 
     # ------------------------------------------------------------------ forward
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
