@@ -62,7 +62,7 @@ class PPOConfig:
     reward: str = "progress"  # Pusher reward: "progress" (potential-based) or "gymnasium"
     num_envs: int = 16  # environments stepped in the collector's process
     episodes_per_batch: int = 1  # episodes per environment per PPO iteration
-    total_env_steps: int = 600_000  # environment steps of fine-tuning
+    total_env_steps: int = 400_000  # environment steps of fine-tuning
     # Flow-SDE sampler (rollouts) and the evaluation ODE.
     noise_level: float = 0.5  # a: exploration noise of the stochastic step
     num_denoising_steps: int = 8  # K for rollouts and the learner
@@ -84,10 +84,10 @@ class PPOConfig:
     max_grad_norm: float = 1.0  # gradient clipping
     critic_warmup_iterations: int = 3  # iterations training only the critic at the start
     # Evaluation, logging, checkpoints.
-    eval_every: int = 10  # iterations between deterministic evaluations
+    eval_every: int = 20  # iterations between deterministic evaluations
     eval_episodes: int = 50  # fixed evaluation episodes
     eval_seed: int = 10_000  # seed of the evaluation episodes (the same for BC and RL)
-    checkpoint_every: int = 10  # iterations between checkpoints
+    checkpoint_every: int = 20  # iterations between checkpoints
     loggers: str = "wandb,csv"  # TorchRL loggers ("wandb" runs offline), comma-separated
     resume: bool = False  # continue from output_dir/checkpoint.pt
     quick: bool = False  # a two-minute run of the whole chain (tests, smoke checks)
@@ -340,7 +340,14 @@ def main(config: PPOConfig) -> dict:
             evaluation = evaluate_policy(
                 policy, eval_env, max_decisions=max_decisions, seed=config.eval_seed
             )
-            history.append({"env_steps": env_steps, "iteration": iteration, **evaluation})
+            history.append(
+                {
+                    "env_steps": env_steps,
+                    "iteration": iteration,
+                    "wall_seconds": time.perf_counter() - start,
+                    **evaluation,
+                }
+            )
             row["eval/success_rate"] = evaluation["success_rate"]
             row["eval/mean_return"] = evaluation["mean_return"]
             progress.set_postfix(success=f"{evaluation['success_rate']:.0%}")
@@ -356,7 +363,14 @@ def main(config: PPOConfig) -> dict:
     final = evaluate_policy(policy, eval_env, max_decisions=max_decisions, seed=config.eval_seed)
     eval_env.close()
     if not history or history[-1]["env_steps"] != env_steps:
-        history.append({"env_steps": env_steps, "iteration": iteration, **final})
+        history.append(
+            {
+                "env_steps": env_steps,
+                "iteration": iteration,
+                "wall_seconds": time.perf_counter() - start,
+                **final,
+            }
+        )
     plot_curves(history, bc["success_rate"], bc["mean_return"], output_dir / "learning_curve.png")
     summary = {
         "seed": config.seed,

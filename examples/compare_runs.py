@@ -1,0 +1,75 @@
+"""Compare finished runs: one PNG of their evaluation curves and a Markdown table.
+
+Reads the ``summary.json`` that ``examples/ppo.py`` (and ``examples/dsrl.py``) write::
+
+    python examples/compare_runs.py --output docs/results/seeds.png \\
+        "seed 0=outputs/ppo_seed0/summary.json" "seed 1=outputs/ppo_seed1/summary.json"
+
+Each curve is the deterministic evaluation success against environment steps (and, with
+``--wall_time``, against wall-clock minutes); each run's BC level is a dashed line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(specification: str) -> tuple[str, dict]:
+    """``"label=path"`` -> ``(label, summary)``."""
+    label, _, path = specification.partition("=")
+    if not path:
+        raise ValueError(f"expected LABEL=PATH, got {specification!r}.")
+    return label, json.loads(Path(path).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="LABEL=path/to/summary.json")
+    parser.add_argument("--output", required=True, help="the PNG to write")
+    parser.add_argument("--title", default="Pusher-v5: deterministic evaluation (ODE, K = 20)")
+    parser.add_argument("--wall_time", action="store_true", help="also plot against minutes")
+    arguments = parser.parse_args()
+
+    runs = [load(specification) for specification in arguments.runs]
+    columns = 2 if arguments.wall_time else 1
+    figure, axes = plt.subplots(1, columns, figsize=(6 * columns, 4), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    print("| run | BC success | final success | env steps | wall time (min) |")
+    print("| --- | --- | --- | --- | --- |")
+    for index, (label, summary) in enumerate(runs):
+        color = colors[index % len(colors)]
+        history = summary["history"]
+        steps = [0] + [row["env_steps"] for row in history]
+        success = [100 * summary["bc_success"]] + [100 * row["success_rate"] for row in history]
+        axes[0][0].plot(steps, success, "o-", color=color, label=label, markersize=3)
+        axes[0][0].axhline(100 * summary["bc_success"], color=color, linestyle="--", alpha=0.5)
+        if arguments.wall_time:
+            minutes = [0.0] + [row.get("wall_seconds", float("nan")) / 60 for row in history]
+            axes[0][1].plot(minutes, success, "o-", color=color, label=label, markersize=3)
+        print(
+            f"| {label} | {100 * summary['bc_success']:.0f} % | "
+            f"{100 * summary['rl_success']:.0f} % | {summary['env_steps']:,} | "
+            f"{summary['wall_seconds'] / 60:.1f} |"
+        )
+    axes[0][0].set(xlabel="environment steps", ylabel="success (%)", ylim=(-2, 102))
+    if arguments.wall_time:
+        axes[0][1].set(xlabel="wall time (min)", ylabel="success (%)", ylim=(-2, 102))
+    for axis in axes[0]:
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(arguments.title)
+    figure.tight_layout()
+    Path(arguments.output).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(arguments.output, dpi=120)
+    print(f"wrote {arguments.output}")
+
+
+if __name__ == "__main__":
+    main()
