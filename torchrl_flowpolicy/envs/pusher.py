@@ -695,8 +695,11 @@ def load_or_collect_demos(
     ``success_threshold`` from the stored final distances.
 
     Args:
-        num_episodes, noise_level, seed, max_episode_steps, success_threshold: as for
-            :func:`collect_demos`.
+        num_episodes: as for :func:`collect_demos`.
+        noise_level: as for :func:`collect_demos`.
+        seed: as for :func:`collect_demos`.
+        max_episode_steps: as for :func:`collect_demos`.
+        success_threshold: as for :func:`collect_demos`.
 
     Keyword Args:
         directory: the cache folder.

@@ -6,7 +6,7 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -149,7 +149,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         bc_coeff: float = 0.0,
         sigma_distribution: flow.SigmaDistribution = "uniform",
         entropy_bonus: bool = False,
-        **kwargs,
+        **kwargs: Any,
     ):
         if not isinstance(actor_network, FlowSDEPolicy):
             raise TypeError(
