@@ -77,7 +77,7 @@ class PPOConfig:
     clip_epsilon_low: float = 0.2  # ratio clip below 1
     clip_epsilon_high: float = 0.28  # ratio clip above 1 (clip-higher)
     kl_coeff: float = 0.0  # KL to the pretrained policy (0: off)
-    bc_coeff: float = 0.0  # self-imitation on successful chunks (0: off)
+    bc_coeff: float = 0.1  # self-imitation: flow matching on successful episodes (0: off)
     gamma: float = 0.99  # per env step; the decision discount is gamma ** executed rows
     gae_lambda: float = 0.95  # GAE lambda over decisions
     reward_scale: float = 0.1  # multiplies the summed chunk reward
