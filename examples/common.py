@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torchrl.envs import TransformedEnv
+from torchrl.record.loggers import CSVLogger, WandbLogger
 
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint
@@ -143,3 +144,49 @@ def parse_config(config_class, argv=None, description: str | None = None):
             target = getattr(target, parent)
         setattr(target, leaf, value)
     return defaults
+
+
+def load_or_pretrain(config: Any, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig, dict]:
+    """The pretrained policy at ``config.pretrained_checkpoint``, made by pretraining if missing.
+
+    ``config`` is an example's config (PPO, DSRL): its seed and task settings are passed on to
+    ``config.pretrain`` before ``examples/pretrain.py`` runs.
+    """
+    checkpoint_path = Path(config.pretrained_checkpoint)
+    if not checkpoint_path.is_file():
+        import pretrain
+
+        config.pretrain.seed = config.seed
+        config.pretrain.output_dir = str(checkpoint_path.parent)
+        config.pretrain.max_episode_steps = config.max_episode_steps
+        config.pretrain.success_threshold = config.success_threshold
+        config.pretrain.reward = config.reward
+        pretrain.main(config.pretrain)
+    return load_policy(checkpoint_path, **sampler)
+
+
+class MetricLogger:
+    """TorchRL loggers named in ``names`` ("wandb" runs offline, "csv"), behind one ``log``."""
+
+    def __init__(self, names: str, experiment: str, output_dir: Path, config: Any):
+        self.loggers = []
+        for name in filter(None, names.split(",")):
+            if name == "wandb":
+                self.loggers.append(
+                    WandbLogger(
+                        experiment,
+                        offline=True,
+                        save_dir=str(output_dir),
+                        project="torchrl_flowpolicy",
+                        config=dataclasses.asdict(config),
+                    )
+                )
+            elif name == "csv":
+                self.loggers.append(CSVLogger(experiment, log_dir=str(output_dir / "csv")))
+            else:
+                raise ValueError(f"unknown logger {name!r}: use 'wandb' and/or 'csv'.")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for logger in self.loggers:
+            for name, value in metrics.items():
+                logger.log_scalar(name, value, step=step)

@@ -44,7 +44,6 @@ from torchrl.modules import (  # noqa: E402
     ValueOperator,
 )
 from torchrl.objectives import SACLoss, SoftUpdate  # noqa: E402
-from torchrl.record.loggers import CSVLogger, WandbLogger  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from torchrl_flowpolicy import FlowSDEPolicy  # noqa: E402
@@ -56,8 +55,9 @@ from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
 import pretrain  # noqa: E402
 from common import (  # noqa: E402
     OBSERVATION_DIM,
+    MetricLogger,
     decisions_per_episode,
-    load_policy,
+    load_or_pretrain,
     make_env,
     parse_config,
 )
@@ -223,16 +223,8 @@ def main(config: DSRLConfig) -> dict:
     start = time.perf_counter()
 
     # Pretrained policy (behaviour cloning), made here when missing; frozen from here on.
-    checkpoint_path = Path(config.pretrained_checkpoint)
-    if not checkpoint_path.is_file():
-        config.pretrain.seed = config.seed
-        config.pretrain.output_dir = str(checkpoint_path.parent)
-        config.pretrain.max_episode_steps = config.max_episode_steps
-        config.pretrain.success_threshold = config.success_threshold
-        config.pretrain.reward = config.reward
-        pretrain.main(config.pretrain)
-    policy, model_config, pretrained_state = load_policy(
-        checkpoint_path, eval_num_steps=config.eval_num_denoising_steps
+    policy, model_config, pretrained_state = load_or_pretrain(
+        config, eval_num_steps=config.eval_num_denoising_steps
     )
     executed = model_config.executed_chunk_length
     task = {
@@ -321,27 +313,7 @@ def main(config: DSRLConfig) -> dict:
         auto_register_policy_transforms=False,  # the actor is not recurrent
     )
     collector.set_seed(config.seed + 1000 * iteration)
-    loggers = []
-    for name in filter(None, config.loggers.split(",")):
-        if name == "wandb":
-            loggers.append(
-                WandbLogger(
-                    f"dsrl_seed{config.seed}",
-                    offline=True,
-                    save_dir=str(output_dir),
-                    project="torchrl_flowpolicy",
-                    config=dataclasses.asdict(config),
-                )
-            )
-        elif name == "csv":
-            loggers.append(CSVLogger(f"dsrl_seed{config.seed}", log_dir=str(output_dir / "csv")))
-        else:
-            raise ValueError(f"unknown logger {name!r}: use 'wandb' and/or 'csv'.")
-
-    def log(metrics: dict[str, float], step: int) -> None:
-        for logger in loggers:
-            for name, value in metrics.items():
-                logger.log_scalar(name, value, step=step)
+    log = MetricLogger(config.loggers, f"dsrl_seed{config.seed}", output_dir, config).log
 
     training_start = time.perf_counter()
 

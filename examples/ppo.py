@@ -32,7 +32,6 @@ from torchrl.collectors import Collector  # noqa: E402
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement  # noqa: E402
 from torchrl.envs.utils import ExplorationType  # noqa: E402
 from torchrl.objectives import ValueEstimators  # noqa: E402
-from torchrl.record.loggers import CSVLogger, WandbLogger  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -43,8 +42,9 @@ from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
 import pretrain  # noqa: E402
 from common import (  # noqa: E402
     OBSERVATION_DIM,
+    MetricLogger,
     decisions_per_episode,
-    load_policy,
+    load_or_pretrain,
     make_env,
     parse_config,
 )
@@ -168,14 +168,6 @@ def main(config: PPOConfig) -> dict:
     start = time.perf_counter()
 
     # Pretrained policy (behaviour cloning), made here when missing.
-    checkpoint_path = Path(config.pretrained_checkpoint)
-    if not checkpoint_path.is_file():
-        config.pretrain.seed = config.seed
-        config.pretrain.output_dir = str(checkpoint_path.parent)
-        config.pretrain.max_episode_steps = config.max_episode_steps
-        config.pretrain.success_threshold = config.success_threshold
-        config.pretrain.reward = config.reward
-        pretrain.main(config.pretrain)
     sampler = {
         "num_steps": config.num_denoising_steps,
         "eval_num_steps": config.eval_num_denoising_steps,
@@ -183,7 +175,7 @@ def main(config: PPOConfig) -> dict:
         "sde_mode": config.sde_mode,
         "num_sde_steps": config.num_sde_steps,
     }
-    policy, model_config, pretrained_state = load_policy(checkpoint_path, **sampler)
+    policy, model_config, pretrained_state = load_or_pretrain(config, **sampler)
     executed = model_config.executed_chunk_length
     task = {
         "max_episode_steps": config.max_episode_steps,
@@ -250,27 +242,7 @@ def main(config: PPOConfig) -> dict:
         sampler=SamplerWithoutReplacement(),
         batch_size=config.minibatch_size,
     )
-    loggers = []
-    for name in filter(None, config.loggers.split(",")):
-        if name == "wandb":
-            loggers.append(
-                WandbLogger(
-                    f"ppo_seed{config.seed}",
-                    offline=True,
-                    save_dir=str(output_dir),
-                    project="torchrl_flowpolicy",
-                    config=dataclasses.asdict(config),
-                )
-            )
-        elif name == "csv":
-            loggers.append(CSVLogger(f"ppo_seed{config.seed}", log_dir=str(output_dir / "csv")))
-        else:
-            raise ValueError(f"unknown logger {name!r}: use 'wandb' and/or 'csv'.")
-
-    def log(metrics: dict[str, float], step: int) -> None:
-        for logger in loggers:
-            for name, value in metrics.items():
-                logger.log_scalar(name, value, step=step)
+    log = MetricLogger(config.loggers, f"ppo_seed{config.seed}", output_dir, config).log
 
     def checkpoint() -> None:
         save_checkpoint(
