@@ -22,8 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def load(specification: str) -> tuple[str, dict]:
-    """``"label=path"`` -> ``(label, summary)``."""
-    label, _, path = specification.partition("=")
+    """``"label=path"`` -> ``(label, summary)`` (the label may contain ``=``)."""
+    label, _, path = specification.rpartition("=")
     if not path:
         raise ValueError(f"expected LABEL=PATH, got {specification!r}.")
     return label, json.loads(Path(path).read_text())
