@@ -449,12 +449,10 @@ class FlowSDEPolicy(TensorDictModuleBase):
         )
         std = self._sampling_schedule(num_steps, chain.dtype, chain.device)[3]
         safe_std = torch.where(sde_mask, std, 1.0)
-        if executed < self.action_shape[0]:
-            step_log_prob = flow.gaussian_log_prob(
-                chain[:, 1:, :executed], means[:, :, :executed], safe_std
-            )
-        else:
-            step_log_prob = flow.gaussian_log_prob(chain[:, 1:], means, safe_std)
+        # The log-prob covers the executed rows only (all H rows by default).
+        step_log_prob = flow.gaussian_log_prob(
+            chain[:, 1:, :executed], means[:, :, :executed], safe_std
+        )
         step_log_prob = torch.where(sde_mask, step_log_prob, 0.0)
 
         tensordict.set(ACTION_KEY, unflatten(chain[:, -1, :executed]))
