@@ -50,25 +50,19 @@ from dataclasses import asdict, dataclass
 import torch
 import torchrl
 from tensordict import TensorDict
-from torch import Tensor, nn
+from torch import Tensor
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from torchrl_flowpolicy import flow
-from torchrl_flowpolicy.networks import (
-    ActionExpertTransformer,
-    MLPVelocityNetwork,
-    ObservationEncoder,
-)
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
 from torchrl_flowpolicy.policy import FlowSDEPolicy
 
-ACTION_SHAPE = (8, 7)
-OBSERVATION_DIM = 23
+from benchmark_networks import ACTION_SHAPE, NETWORKS, OBSERVATION_DIM, build_networks
+
 NUM_STEPS = 8
 NOISE_LEVEL = 0.5
 CLIP_EPSILON = 0.2
 GOAL = 1.3
-NETWORKS = ("mlp1024", "transformer")
 METHODS = ("plain", "loss", "naive")
 
 
@@ -90,19 +84,6 @@ class Row:
     passed: bool
     rounds: int
     calls_per_round: int
-
-
-def build_networks(name: str) -> tuple[nn.Module, nn.Module | None]:
-    """``(velocity_network, encoder or None)`` for a benchmark network name."""
-    if name == "mlp1024":
-        return (
-            MLPVelocityNetwork(OBSERVATION_DIM, ACTION_SHAPE, hidden_dim=1024, num_layers=3),
-            None,
-        )
-    if name == "transformer":
-        encoder = ObservationEncoder(OBSERVATION_DIM)
-        return ActionExpertTransformer(ACTION_SHAPE, model_dim=encoder.model_dim), encoder
-    raise ValueError(f"unknown network {name!r}; choose from {NETWORKS}.")
 
 
 class Workload:

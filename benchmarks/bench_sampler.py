@@ -49,18 +49,12 @@ from torch import Tensor, nn
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from torchrl_flowpolicy import flow
-from torchrl_flowpolicy.networks import (
-    ActionExpertTransformer,
-    MLPVelocityNetwork,
-    ObservationEncoder,
-)
 from torchrl_flowpolicy.policy import FlowSDEPolicy
 
-ACTION_SHAPE = (8, 7)
-OBSERVATION_DIM = 23
+from benchmark_networks import ACTION_SHAPE, NETWORKS, OBSERVATION_DIM, build_networks
+
 NUM_STEPS = 8
 NOISE_LEVEL = 0.5
-NETWORKS = ("mlp1024", "transformer")
 
 
 @dataclass
@@ -83,18 +77,6 @@ class Row:
 def goal_for(batch_size: int) -> float:
     """The overhead goal: <= 1.25 for a single decision, <= 1.10 for batches of 64 and more."""
     return 1.25 if batch_size < 64 else 1.10
-
-
-def build_networks(name: str) -> tuple[nn.Module, nn.Module | None]:
-    """``(velocity_network, encoder or None)`` for a benchmark network name."""
-    if name == "mlp1024":
-        network = MLPVelocityNetwork(OBSERVATION_DIM, ACTION_SHAPE, hidden_dim=1024, num_layers=3)
-        return network.eval(), None
-    if name == "transformer":
-        encoder = ObservationEncoder(OBSERVATION_DIM)
-        expert = ActionExpertTransformer(ACTION_SHAPE, model_dim=encoder.model_dim)
-        return expert.eval(), encoder.eval()
-    raise ValueError(f"unknown network {name!r}; choose from {NETWORKS}.")
 
 
 def make_bare_sampler(
@@ -143,7 +125,7 @@ def measure(name: str, batch_size: int, *, rounds: int, calls_per_round: int, wa
         num_steps=NUM_STEPS,
         noise_level=NOISE_LEVEL,
         sde_mode="mixed",
-    )
+    ).eval()  # inference mode, as a collector's policy
     observation = torch.randn(batch_size, OBSERVATION_DIM)
     bare = make_bare_sampler(network, encoder, batch_size)
 

@@ -106,9 +106,9 @@ def counting():
     return CallCounter
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def single_thread():
-    """Run a test with one intra-op thread (small tensors; avoids oversubscribed CPUs)."""
+    """Run every test with one intra-op thread (small tensors; avoids oversubscribed CPUs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

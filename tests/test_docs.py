@@ -19,7 +19,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 import torchrl_flowpolicy
 
@@ -59,18 +58,8 @@ def test_docstring_examples(name):
     assert results.failed == 0, f"{results.failed} docstring example(s) of {name} failed (above)"
 
 
-@pytest.fixture
-def one_thread():
-    # The pages' examples run small networks one decision at a time: several torch threads
-    # only contend with each other (and with other jobs on a small machine).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.parametrize("page", PAGES)
-def test_page_code_blocks(page, one_thread):
+def test_page_code_blocks(page):
     namespace: dict = {"__name__": f"docs_{Path(page).stem}"}
     for index, block in enumerate(PYTHON_BLOCK.findall((ROOT / page).read_text())):
         code = compile(block, f"{page} (python block {index})", "exec")

@@ -50,14 +50,6 @@ NUM_ENVS = 2
 NEXT_DECODED = ("next", *DECODED_ACTION_KEY)  # the chunk executed by a decision
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def make_policy(seed: int = 0, executed: int = EXECUTED) -> FlowSDEPolicy:
     torch.manual_seed(seed)
     network = MLPVelocityNetwork(

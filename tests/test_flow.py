@@ -11,7 +11,6 @@ from torch.distributions import Normal
 from torchrl_flowpolicy import flow
 
 MODES = ("mixed", "last", "all")
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # --------------------------------------------------------------------------- sigma grid

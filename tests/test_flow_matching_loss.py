@@ -16,15 +16,6 @@ ACTION_SHAPE = (4, 2)
 NUM_DECISIONS = 16
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """The tensors here are tiny: one thread is faster and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_policy(seed: int = 0, network: nn.Module | None = None) -> FlowSDEPolicy:
     torch.manual_seed(seed)
     if network is None:

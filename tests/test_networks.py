@@ -15,8 +15,6 @@ from torchrl_flowpolicy.networks import (
 )
 from torchrl_flowpolicy.policy import STEP_LOG_PROB_KEY, FlowSDEPolicy
 
-pytestmark = pytest.mark.usefixtures("single_thread")
-
 OBSERVATION_DIM, ACTION_SHAPE, MODEL_DIM = 5, (4, 2), 16
 
 

@@ -29,7 +29,6 @@ from torchrl_flowpolicy.policy import (
 OBSERVATION_DIM = 5
 ACTION_SHAPE = (4, 2)
 MODES = ("mixed", "last", "all")
-pytestmark = pytest.mark.usefixtures("single_thread")
 RANDOM = ExplorationType.RANDOM
 SAMPLING_KEYS = {"action", CHAIN_KEY, SDE_MASK_KEY, STEP_LOG_PROB_KEY, LOG_PROB_KEY}
 

@@ -35,15 +35,6 @@ SDE_MASK = ("flow", "sde_mask")
 STEP_LOG_PROB = ("flow", "step_log_prob")
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """The tensors here are tiny: one thread is faster and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------------------- helpers
 def make_policy(
     *,
