@@ -8,7 +8,7 @@ K = 20 on fixed seeds -> learning-curve PNG and JSON summary.
 Reads top to bottom: config, seed, pretrained policy, env + collector, critic + loss,
 training loop (collect, GAE, epochs of minibatch updates, evaluate, log, checkpoint),
 final evaluation, plot, summary. ``python examples/ppo.py --help`` lists every option;
-``--quick`` runs the whole chain in about two minutes; ``--resume`` continues a killed run.
+``--quick`` runs the whole chain in under two minutes; ``--resume`` continues a killed run.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class PPOConfig:
 
 
 def apply_quick(config: PPOConfig) -> None:
-    """Shrink every budget so that the whole chain runs in about two minutes."""
+    """Shrink every budget so that the whole chain runs in under two minutes."""
     config.num_envs = 4
     config.total_env_steps = 4 * 150 * 4
     config.epochs = 2
