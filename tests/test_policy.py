@@ -129,6 +129,27 @@ def test_deterministic_mode_is_exactly_the_euler_ode():
     assert torch.equal(decoded, expected[-1])
 
 
+@pytest.mark.parametrize("scale", [0.0, 0.3, 2.0])
+def test_eval_noise_scale_scales_the_initial_noise_of_the_ode_only(scale):
+    network = make_network()
+    policy = FlowSDEPolicy(
+        network, action_shape=ACTION_SHAPE, eval_num_steps=6, eval_noise_scale=scale
+    )
+    reference = FlowSDEPolicy(network, action_shape=ACTION_SHAPE, eval_num_steps=6)
+    tensordict = make_tensordict((5,))
+    with torch.no_grad():
+        out = sample(policy, tensordict, seed=4, mode=ExplorationType.DETERMINISTIC)
+        torch.manual_seed(4)
+        initial_noise = torch.randn(5, *ACTION_SHAPE)
+        expected = policy.decode(tensordict, scale * initial_noise)
+    assert torch.equal(out["action"], expected)
+    if scale == 0.0:
+        assert torch.equal(out["action"], policy.decode(tensordict, torch.zeros(5, *ACTION_SHAPE)))
+    # Rollouts still start from N(0, I): the same seed gives the reference's chain.
+    rollout = sample(policy, tensordict, seed=2)
+    assert torch.equal(rollout[CHAIN_KEY], sample(reference, tensordict, seed=2)[CHAIN_KEY])
+
+
 # --------------------------------------------------------------------------- log-probs
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("schedule", ["sqrt", "constant"])
@@ -480,6 +501,8 @@ def test_marginal_check_rejects_a_drift_without_score_correction(
         ({"noise_schedule": "cosine"}, "noise_schedule"),
         ({"sde_mode": "last", "num_sde_steps": 8}, "num_sde_steps"),
         ({"eval_num_steps": 0}, "eval_num_steps"),
+        ({"eval_noise_scale": -0.5}, "eval_noise_scale"),
+        ({"eval_noise_scale": float("nan")}, "eval_noise_scale"),
         ({"action_shape": (4, 2, 1)}, "action_shape"),
     ],
 )

@@ -110,8 +110,12 @@ class FlowSDEPolicy(TensorDictModuleBase):
     | ``"action_log_prob"`` | ``[*B]`` | sum over the steps |
 
     ``H' = executed_chunk_length`` (default ``H``). Under DETERMINISTIC / MODE / MEAN
-    exploration it runs the plain ODE with ``eval_num_steps`` and writes ``"action"`` only.
-    Outside any exploration context it follows ``default_interaction_type``
+    exploration it runs the plain ODE with ``eval_num_steps`` from
+    ``x_0 = eval_noise_scale * N(0, I)`` and writes ``"action"`` only: with the default scale
+    1 it samples the model's own chunk distribution (the protocol of the results pages);
+    ``eval_noise_scale = 0`` decodes the noise-free chunk ``x_0 = 0``, which a policy cloned
+    from noisy demonstrations can execute much better than its samples (see
+    ``docs/results.md``). Outside any exploration context it follows ``default_interaction_type``
     (DETERMINISTIC, as TorchRL's ``ProbabilisticActor``).
 
     The observation context (the encoder's output, or the observation itself when there is
@@ -131,6 +135,9 @@ class FlowSDEPolicy(TensorDictModuleBase):
         encoder: optional ``encoder(*observations) -> context``, run once per decision.
         num_steps: ``K`` for rollouts and ``log_prob``.
         eval_num_steps: ``K`` for the deterministic ODE.
+        eval_noise_scale: the standard deviation of the deterministic ODE's initial noise
+            (>= 0; 1 samples the model's distribution, 0 decodes ``x_0 = 0``). Rollouts
+            (RANDOM) and ``log_prob`` always start from ``N(0, I)``.
         noise_level: ``a`` (>= 0), the exploration knob. With ``a = 0`` no step is stochastic
             (the RANDOM chain is the Euler ODE, its log-probs are 0).
         sde_mode: ``"mixed"`` (one random stochastic step in ``1..K-1``), ``"last"``
@@ -166,6 +173,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         encoder: nn.Module | Callable[..., Context] | None = None,
         num_steps: int = 8,
         eval_num_steps: int = 20,
+        eval_noise_scale: float = 1.0,
         noise_level: float = 0.5,
         sde_mode: SDEMode = "mixed",
         num_sde_steps: int = 4,
@@ -192,6 +200,10 @@ class FlowSDEPolicy(TensorDictModuleBase):
             raise ValueError(f"noise_level must be >= 0, got {noise_level}.")
         if eval_num_steps < 1:
             raise ValueError(f"eval_num_steps must be >= 1, got {eval_num_steps}.")
+        if not (math.isfinite(eval_noise_scale) and eval_noise_scale >= 0):
+            raise ValueError(
+                f"eval_noise_scale must be a finite number >= 0, got {eval_noise_scale}."
+            )
         if noise_schedule not in ("sqrt", "constant"):
             raise ValueError(
                 f"noise_schedule must be 'sqrt' or 'constant', got {noise_schedule!r}."
@@ -205,6 +217,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         self.out_keys = [ACTION_KEY, CHAIN_KEY, SDE_MASK_KEY, STEP_LOG_PROB_KEY, LOG_PROB_KEY]
         self.num_steps = num_steps
         self.eval_num_steps = eval_num_steps
+        self.eval_noise_scale = float(eval_noise_scale)
         self.noise_level = float(noise_level)
         self.sde_mode = sde_mode
         self.num_sde_steps = num_sde_steps
@@ -429,6 +442,8 @@ class FlowSDEPolicy(TensorDictModuleBase):
 
         if mode != ExplorationType.RANDOM:
             noise = self._new_noise((num_decisions, *self.action_shape), reference, network_dtype)
+            if self.eval_noise_scale != 1.0:
+                noise = noise * self.eval_noise_scale
             chain, _, _ = self._integrate(
                 context, noise, self.eval_num_steps, None, None, network_dtype=network_dtype
             )
