@@ -6,7 +6,10 @@ Reads the ``summary.json`` that ``examples/ppo.py`` (and ``examples/dsrl.py``) w
         "seed 0=outputs/ppo_seed0/summary.json" "seed 1=outputs/ppo_seed1/summary.json"
 
 Each curve is the deterministic evaluation success against environment steps (and, with
-``--wall_time``, against wall-clock minutes); each run's BC level is a dashed line.
+``--wall_time``, against wall-clock minutes), starting from the run's BC level at step 0
+unless the run evaluated its own starting point (DSRL does); each run's BC level is a
+dashed line, and its noise-free BC level (``x_0 = 0``, written by ``examples/dsrl.py``) a
+dotted one.
 """
 
 from __future__ import annotations
@@ -46,12 +49,18 @@ def main() -> None:
     for index, (label, summary) in enumerate(runs):
         color = colors[index % len(colors)]
         history = summary["history"]
-        steps = [0] + [row["env_steps"] for row in history]
-        success = [100 * summary["bc_success"]] + [100 * row["success_rate"] for row in history]
+        steps = [row["env_steps"] for row in history]
+        success = [100 * row["success_rate"] for row in history]
+        minutes = [row.get("wall_seconds", float("nan")) / 60 for row in history]
+        if not steps or steps[0] != 0:
+            steps, success = [0, *steps], [100 * summary["bc_success"], *success]
+            minutes = [0.0, *minutes]
         axes[0][0].plot(steps, success, "o-", color=color, label=label, markersize=3)
         axes[0][0].axhline(100 * summary["bc_success"], color=color, linestyle="--", alpha=0.5)
+        if "bc_noise_free_success" in summary:
+            noise_free = 100 * summary["bc_noise_free_success"]
+            axes[0][0].axhline(noise_free, color=color, linestyle=":", alpha=0.6)
         if arguments.wall_time:
-            minutes = [0.0] + [row.get("wall_seconds", float("nan")) / 60 for row in history]
             axes[0][1].plot(minutes, success, "o-", color=color, label=label, markersize=3)
         print(
             f"| {label} | {100 * summary['bc_success']:.0f} % | "

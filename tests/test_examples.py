@@ -85,6 +85,7 @@ def test_evaluate_checkpoints_at_several_noise_scales(tmp_path):
         str(ROOT / "examples" / "evaluate.py"),
         "--checkpoints", f"{tmp_path / 'policy.pt'},{tmp_path / 'policy.pt'}",
         "--eval_noise_scales", "1.0,0.0",
+        "--uniform_noise_bounds", "0.3",
         "--eval_episodes", "3",
         "--max_episode_steps", "12",
         "--eval_num_denoising_steps", "2",
@@ -93,10 +94,47 @@ def test_evaluate_checkpoints_at_several_noise_scales(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(output.read_text())["rows"]
-    assert [row["eval_noise_scale"] for row in rows] == [1.0, 0.0, 1.0, 0.0]
+    scales = [row.get("eval_noise_scale") for row in rows]
+    assert scales == [1.0, 0.0, None, 1.0, 0.0, None]
+    assert [row.get("uniform_noise_bound") for row in rows] == [None, None, 0.3] * 2
     assert all(row["num_episodes"] == 3 for row in rows)
     # Same checkpoint, same seed: the same episodes; the two scales give different returns.
-    assert rows[0]["mean_return"] == rows[2]["mean_return"]
-    assert rows[1]["mean_return"] == rows[3]["mean_return"]
-    assert rows[0]["mean_return"] != rows[1]["mean_return"]
+    for first, second in zip(rows[:3], rows[3:], strict=True):
+        assert first["mean_return"] == second["mean_return"]
+    assert len({row["mean_return"] for row in rows[:3]}) == 3
     assert "scale 0: success" in result.stdout
+    assert "uniform noise in [-0.3, 0.3]: success" in result.stdout
+
+
+def test_compare_runs_table_and_plot(tmp_path):
+    def summary(history_steps: list[int], **extra) -> dict:
+        history = [
+            {"env_steps": step, "success_rate": 0.5, "wall_seconds": 60.0 * index}
+            for index, step in enumerate(history_steps)
+        ]
+        return {
+            "bc_success": 0.25,
+            "rl_success": 0.5,
+            "env_steps": history_steps[-1],
+            "wall_seconds": 120.0,
+            "history": history,
+            **extra,
+        }
+
+    ppo, dsrl = tmp_path / "ppo.json", tmp_path / "dsrl.json"
+    ppo.write_text(json.dumps(summary([1000, 2000])))
+    dsrl.write_text(json.dumps(summary([0, 1000], bc_noise_free_success=0.75)))
+    output = tmp_path / "plot.png"
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / "compare_runs.py"),
+        "--output", str(output),
+        "--wall_time",
+        f"PPO={ppo}",
+        f"DSRL={dsrl}",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert output.stat().st_size > 0
+    assert "| PPO | 25 % | 50 % | 2,000 | 2.0 |" in result.stdout
+    assert "| DSRL | 25 % | 50 % | 1,000 | 2.0 |" in result.stdout
