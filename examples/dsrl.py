@@ -350,6 +350,8 @@ def main(config: DSRLConfig) -> dict:
     random_decisions = max(config.random_env_steps // executed - len(replay_buffer), 0)
     random_decisions = -(-random_decisions // decisions_per_batch) * decisions_per_batch
     remaining_batches = -(-max(config.total_env_steps - env_steps, 0) // steps_per_batch)
+    # The collector resets its env when it is built: seed the env first.
+    train_env.set_seed(config.seed + 1000 * iteration)
     collector = Collector(
         train_env,
         actor,
@@ -359,7 +361,6 @@ def main(config: DSRLConfig) -> dict:
         exploration_type=ExplorationType.RANDOM,
         auto_register_policy_transforms=False,  # the actor is not recurrent
     )
-    collector.set_seed(config.seed + 1000 * iteration)
     log = MetricLogger(config.loggers, f"dsrl_seed{config.seed}", output_dir, config).log
 
     training_start = time.perf_counter()

@@ -229,14 +229,16 @@ def main(config: PPOConfig) -> dict:
     )
     remaining_iterations = max((config.total_env_steps - env_steps) // steps_per_decision_batch, 0)
     last_iteration = iteration + remaining_iterations
+    # The collector resets its env when it is built: seed the env first.
+    train_env = make_env(config.num_envs, executed, **task)
+    train_env.set_seed(config.seed + 1000 * iteration)
     collector = Collector(
-        make_env(config.num_envs, executed, **task),
+        train_env,
         policy,
         frames_per_batch=decisions_per_batch,
         total_frames=remaining_iterations * decisions_per_batch,
         exploration_type=ExplorationType.RANDOM,
     )
-    collector.set_seed(config.seed + 1000 * iteration)
     replay_buffer = ReplayBuffer(
         storage=LazyTensorStorage(decisions_per_batch),
         sampler=SamplerWithoutReplacement(),
