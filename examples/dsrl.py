@@ -111,13 +111,13 @@ class DSRLConfig:
     checkpoint_every_env_steps: int = 20_000  # env steps between checkpoints
     loggers: str = "wandb,csv"  # TorchRL loggers ("wandb" runs offline), comma-separated
     resume: bool = False  # continue from output_dir/checkpoint.pt
-    quick: bool = False  # a two-minute run of the whole chain (tests, smoke checks)
+    quick: bool = False  # a run of the whole chain in under a minute (tests, smoke checks)
     threads: int = 1  # torch CPU threads (1 is fastest for these small networks)
     pretrain: pretrain.PretrainConfig = field(default_factory=pretrain.PretrainConfig)
 
 
 def apply_quick(config: DSRLConfig) -> None:
-    """Shrink the budgets so that the whole chain runs in about two minutes.
+    """Shrink the budgets so that the whole chain runs in under a minute.
 
     Options given on the command line (values other than the defaults) are kept.
     """
