@@ -24,26 +24,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tensordict.nn import TensorDictModule
-from torch import Tensor, nn
+from torchrl.modules import RandomPolicy
 from tqdm import tqdm
 
 from torchrl_flowpolicy.dsrl import NoiseActionTransform
 from torchrl_flowpolicy.evaluation import evaluate_policy
 
 from common import decisions_per_episode, load_policy, make_env, parse_config
-
-
-class UniformNoise(nn.Module):
-    """Noise drawn uniformly from ``[-bound, bound]^shape`` for every observation."""
-
-    def __init__(self, shape: torch.Size, bound: float):
-        super().__init__()
-        self.shape, self.bound = shape, bound
-
-    def forward(self, observation: Tensor) -> Tensor:
-        noise = torch.rand(*observation.shape[:-1], *self.shape, device=observation.device)
-        return self.bound * (2 * noise - 1)
 
 
 @dataclass
@@ -100,11 +87,7 @@ def main(config: EvaluateConfig) -> list[dict]:
         for bound in bounds:
             noise_env = make_env(config.eval_episodes, executed, **task)
             noise_env.append_transform(NoiseActionTransform(policy, noise_bound=bound))
-            uniform = TensorDictModule(
-                UniformNoise(policy.action_shape, bound),
-                in_keys=["observation"],
-                out_keys=["action"],
-            )
+            uniform = RandomPolicy(noise_env.full_action_spec)  # uniform over the box
             label = f"uniform noise in [-{bound:g}, {bound:g}]"
             run(path, label, uniform, noise_env, max_decisions, uniform_noise_bound=bound)
             noise_env.close()

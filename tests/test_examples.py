@@ -138,3 +138,18 @@ def test_compare_runs_table_and_plot(tmp_path):
     assert output.stat().st_size > 0
     assert "| PPO | 25 % | 50 % | 2,000 | 2.0 |" in result.stdout
     assert "| DSRL | 25 % | 50 % | 1,000 | 2.0 |" in result.stdout
+
+
+def test_dsrl_target_entropy_follows_the_box_and_refuses_unreachable_targets():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from dsrl import DSRLConfig, target_entropy_per_dim
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    # nan: SAC's -1 per dimension of [-1, 1] carried to [-m, m], log(m) - 1.
+    assert target_entropy_per_dim(DSRLConfig(noise_bound=1.0)) == -1.0
+    assert target_entropy_per_dim(DSRLConfig(noise_bound=0.3)) == pytest.approx(-2.2040, abs=1e-4)
+    assert target_entropy_per_dim(DSRLConfig(noise_bound=1.5, target_entropy_per_dim=-2.0)) == -2.0
+    # At or above log(2m), the entropy of the uniform noise over the box: refused.
+    with pytest.raises(ValueError, match="log\\(2 m\\) = -1.204"):
+        target_entropy_per_dim(DSRLConfig(noise_bound=0.15, target_entropy_per_dim=-1.0))
