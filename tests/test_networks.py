@@ -13,7 +13,9 @@ from torchrl_flowpolicy.networks import (
     ObservationEncoder,
     SigmaEmbedding,
 )
-from torchrl_flowpolicy.policy import STEP_LOG_PROB_KEY, FlowSDEPolicy
+from torchrl_flowpolicy.policy import FlowSDEPolicy
+
+STEP_LOG_PROB_KEY = ("flow", "step_log_prob")  # the policy's default key
 
 OBSERVATION_DIM, ACTION_SHAPE, MODEL_DIM = 5, (4, 2), 16
 

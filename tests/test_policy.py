@@ -16,15 +16,15 @@ from torchrl_flowpolicy.networks import (
     ActionExpertTransformer,
     MLPVelocityNetwork,
     ObservationEncoder,
-)
-from torchrl_flowpolicy.policy import (
-    CHAIN_KEY,
-    LOG_PROB_KEY,
-    SDE_MASK_KEY,
-    STEP_LOG_PROB_KEY,
-    FlowSDEPolicy,
     TimeReversedVelocity,
 )
+from torchrl_flowpolicy.policy import FlowSDEPolicy
+
+# The policy's default output keys (FlowSDEPolicy.set_keys renames them).
+CHAIN_KEY = ("flow", "chain")
+SDE_MASK_KEY = ("flow", "sde_mask")
+STEP_LOG_PROB_KEY = ("flow", "step_log_prob")
+LOG_PROB_KEY = "action_log_prob"
 
 OBSERVATION_DIM = 5
 ACTION_SHAPE = (4, 2)
@@ -477,7 +477,7 @@ def test_marginal_check_rejects_a_drift_without_score_correction(
         _, _, std = true_coefficients(sigmas, noise_level, schedule)
         return torch.ones_like(std), sigmas[1:] - sigmas[:-1], std
 
-    monkeypatch.setattr(flow, "step_coefficients", without_score_correction)
+    monkeypatch.setattr(flow.sampling, "step_coefficients", without_score_correction)
     policy = _gaussian_policy(
         gaussian_velocity, num_steps=100, noise_level=noise_level, sde_mode="all"
     )

@@ -458,7 +458,7 @@ def test_set_keys_reads_renamed_nested_entries():
     loss.set_keys(
         chain=("rollout", "denoising", "chain"),
         sde_mask=("rollout", "denoising", "stochastic"),
-        sample_log_prob=("rollout", "old_step_log_prob"),
+        step_log_prob=("rollout", "old_step_log_prob"),
         advantage=("estimates", "advantage"),
     )
     for key in [("rollout", "denoising", "chain"), ("rollout", "denoising", "stochastic")]:

@@ -34,7 +34,7 @@ from torch import Tensor
 from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.envs import Transform
 
-from torchrl_flowpolicy.policy import ACTION_KEY, FlowSDEPolicy
+from torchrl_flowpolicy.policy import FlowSDEPolicy
 
 __all__ = [
     "NoiseActionTransform",
@@ -73,7 +73,7 @@ class NoiseActionTransform(Transform):
     """Expose a frozen flow policy's initial noise as the environment's action.
 
     Append it to a chunked environment (:func:`~torchrl_flowpolicy.envs.make_chunked_env`
-    with ``chunk_length = policy.executed_chunk_length``). The action spec becomes
+    with ``executed_chunk_length = policy.executed_chunk_length``). The action spec becomes
     ``Bounded(-noise_bound, noise_bound)`` of shape ``[*B, H, D]``, the policy's full initial
     noise ``x_0``. Stepping decodes the noise with the frozen policy's deterministic ODE
     (:meth:`FlowSDEPolicy.decode <torchrl_flowpolicy.FlowSDEPolicy.decode>`,
@@ -116,7 +116,7 @@ class NoiseActionTransform(Transform):
         >>> from torchrl_flowpolicy.networks import MLPVelocityNetwork
         >>> network = MLPVelocityNetwork(observation_dim=23, action_shape=(4, 7))
         >>> policy = FlowSDEPolicy(network, action_shape=(4, 7), executed_chunk_length=2)
-        >>> env = make_chunked_env(GymEnv("Pusher-v5"), chunk_length=2)  # H' = 2
+        >>> env = make_chunked_env(GymEnv("Pusher-v5"), executed_chunk_length=2)
         >>> env = env.append_transform(NoiseActionTransform(policy))
         >>> env.action_spec.shape, env.action_spec.space.high.max().item()
         (torch.Size([4, 7]), 1.5)
@@ -130,7 +130,7 @@ class NoiseActionTransform(Transform):
         policy: FlowSDEPolicy,
         *,
         noise_bound: float = DEFAULT_NOISE_BOUND,
-        action_key: NestedKey = ACTION_KEY,
+        action_key: NestedKey = "action",
         noise_key: NestedKey | None = None,
         decoded_action_key: NestedKey = DECODED_ACTION_KEY,
     ):

@@ -14,18 +14,47 @@ Both networks follow the library's call signature ``network(x, sigma, context) -
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "TimeReversedVelocity",
     "SigmaEmbedding",
     "ObservationNormalizer",
     "MLPVelocityNetwork",
     "ObservationEncoder",
     "ActionExpertTransformer",
 ]
+
+
+class TimeReversedVelocity(nn.Module):
+    """Adapter for velocity networks written in the ``t = 0`` noise, ``t = 1`` action convention.
+
+    Such networks (TorchRL-style flow-matching models, LeRobot's pi0 before its own
+    reversal) interpolate ``x_t = t * action + (1 - t) * noise`` and predict
+    ``v' = action - noise``. With ``t = 1 - sigma`` the library's velocity is
+    ``v(x, sigma) = -v'(x, 1 - sigma)``.
+
+    Args:
+        network: a callable ``network(x, t, context) -> v'`` in the ``t = 0`` noise convention.
+
+    Examples:
+        >>> class DataMinusNoise(nn.Module):
+        ...     def forward(self, x, t, context):
+        ...         return context - x  # pushes x towards ``context``
+        >>> adapted = TimeReversedVelocity(DataMinusNoise())
+        >>> adapted(torch.zeros(1, 2, 3), torch.ones(1), torch.ones(1, 2, 3)).sum().item()
+        -6.0
+    """
+
+    def __init__(self, network: Callable[..., Tensor]):
+        super().__init__()
+        self.network = network
+
+    def forward(self, x: Tensor, sigma: Tensor, context: Tensor | tuple[Tensor, ...]) -> Tensor:
+        return -self.network(x, 1.0 - sigma, context)
 
 
 class SigmaEmbedding(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -14,16 +15,12 @@ from tensordict.nn import TensorDictModule
 from tensordict.utils import NestedKey
 from torch import Tensor
 from torchrl.objectives import ClipPPOLoss
+from torchrl.objectives.ppo import _broadcast_advantage_to_log_weight, _check_advantage_broadcast
 
 from torchrl_flowpolicy import flow
+from torchrl_flowpolicy.flow import StochasticSteps
 from torchrl_flowpolicy.objectives.flow_matching import flow_matching_per_sample
-from torchrl_flowpolicy.policy import (
-    CHAIN_KEY,
-    SDE_MASK_KEY,
-    STEP_LOG_PROB_KEY,
-    FlowSDEPolicy,
-    StochasticSteps,
-)
+from torchrl_flowpolicy.policy import FlowSDEPolicy
 
 __all__ = ["DenoisingClipPPOLoss"]
 
@@ -42,17 +39,22 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
 
     (DPPO, Ren et al., 2024; pi-RL, Chen et al., 2025; Flow-GRPO, Liu et al., 2025). The mean
     runs over the stochastic entries only: deterministic steps add neither to the objective,
-    nor to its normalisation, nor to the diagnostics. ``rho`` comes from
-    :meth:`FlowSDEPolicy.stochastic_steps` (one batched network call over all stochastic
-    entries) and the stored per-step log-probs.
+    nor to its normalisation, nor to the diagnostics.
 
-    What is TorchRL's, unchanged: the critic loss with value clipping (``loss_critic``),
-    advantage normalisation, ``make_value_estimator`` (GAE runs at the decision level, the
-    tensordict's batch), ``set_keys``, reductions, functional parameters and the clip
-    buffers (``clip_epsilon`` or ``clip_epsilon_low`` / ``clip_epsilon_high``).
-    ``forward`` is this class's own because the surrogate is a masked mean over stochastic
-    entries, which ``ClipPPOLoss.forward`` (a mean over every entry of the log-weight) cannot
-    express.
+    Built on ``ClipPPOLoss``'s hooks: :meth:`_log_weight` (PPO's log-prob hook) returns the
+    per-step log-weight ``[*B, K, 1]`` (0 at deterministic steps) from one batched network
+    call over the stochastic entries, TorchRL's ``_broadcast_advantage_to_log_weight`` spreads
+    the decision's advantage over the steps, and ``_reduce_loss`` reduces with the
+    stochastic-step mask (and TorchRL's own validity masks). TorchRL's, unchanged: the critic
+    loss with value clipping (``loss_critic``), advantage normalisation (``normalize_advantage``,
+    ``advantage_norm``), ``make_value_estimator`` (GAE runs at the decision level, the
+    tensordict's batch), ``max_importance_ratio`` (caps every step's ratio),
+    ``separate_losses``, reductions, functional parameters and the clip buffers
+    (``clip_epsilon`` or ``clip_epsilon_low`` / ``clip_epsilon_high``). ``forward`` is this
+    class's own only to average the diagnostics over the stochastic entries and to add the
+    dual clip, the KL and self-imitation terms; the parent options it cannot honour are
+    refused at construction: ``delay_actor=True``, a per-head ``entropy_coeff`` mapping and
+    ``samples_mc_entropy`` (the entropy is in closed form).
 
     Entropy: the bonus is off by default. The step std does not depend on the parameters, so
     the Gaussian steps' entropy, ``H' D (log std + log(2 pi e) / 2)``, has no gradient; it is
@@ -80,13 +82,15 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         sigma_distribution: the noise-level distribution of the self-imitation term.
         entropy_bonus: add ``-entropy_coeff * entropy`` (default ``False``; see above).
         **kwargs: forwarded to :class:`~torchrl.objectives.ClipPPOLoss` (``critic_coeff``,
-            ``loss_critic_type``, ``normalize_advantage``, ``clip_value``, ``reduction``,
-            ``functional``, ``separate_losses``, ``device``, ...).
+            ``loss_critic_type``, ``normalize_advantage``, ``advantage_norm``, ``clip_value``,
+            ``max_importance_ratio``, ``reduction``, ``functional``, ``separate_losses``,
+            ``device``, ...).
 
     Keys (``set_keys``): TorchRL's (``advantage``, ``value_target``, ``value``, ``reward``,
-    ``done``, ``terminated``, ``action``) plus ``sample_log_prob`` (the stored per-step
-    log-probs, default ``("flow", "step_log_prob")``), ``chain``, ``sde_mask`` and
-    ``success``.
+    ``done``, ``terminated``, ``action``, ``sample_log_prob`` — the per-decision log-prob)
+    plus ``step_log_prob`` (the stored per-step log-probs ``[*B, K]``), ``chain``,
+    ``sde_mask`` and ``success``. The policy's key names (:meth:`FlowSDEPolicy.set_keys`) are
+    copied at construction.
 
     Outputs: ``loss_objective``, ``loss_critic`` (with a critic), ``loss_kl`` (``kl_coeff >
     0``), ``loss_bc`` (``bc_coeff > 0``), ``loss_entropy`` (with the bonus); diagnostics
@@ -117,7 +121,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         """Tensordict keys read by the loss (TorchRL's, plus the denoising chain's).
 
         Attributes:
-            sample_log_prob: stored per-step log-probs ``[*B, K]``.
+            step_log_prob: stored per-step log-probs ``[*B, K]``.
                 Defaults to ``("flow", "step_log_prob")``.
             chain: stored chain ``[*B, K+1, H, D]``. Defaults to ``("flow", "chain")``.
             sde_mask: stochastic steps ``[*B, K]``. Defaults to ``("flow", "sde_mask")``.
@@ -125,9 +129,9 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
                 Defaults to ``"success"``.
         """
 
-        sample_log_prob: NestedKey = STEP_LOG_PROB_KEY
-        chain: NestedKey = CHAIN_KEY
-        sde_mask: NestedKey = SDE_MASK_KEY
+        step_log_prob: NestedKey = ("flow", "step_log_prob")
+        chain: NestedKey = ("flow", "chain")
+        sde_mask: NestedKey = ("flow", "sde_mask")
         success: NestedKey = "success"
 
     default_keys = _AcceptedKeys
@@ -157,6 +161,15 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             )
         if kwargs.get("delay_actor", False):
             raise ValueError("delay_actor=True is not supported by DenoisingClipPPOLoss.")
+        if isinstance(kwargs.get("entropy_coeff"), Mapping):
+            raise ValueError(
+                "entropy_coeff must be a number: a flow policy has one action head, so a "
+                "per-head mapping does not apply."
+            )
+        if kwargs.get("samples_mc_entropy", 1) != 1:
+            raise ValueError(
+                "samples_mc_entropy does not apply: the Gaussian steps' entropy is in closed form."
+            )
         if dual_clip is not None and dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}.")
         if kl_coeff < 0 or bc_coeff < 0:
@@ -181,12 +194,21 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         self.kl_estimator = kl_estimator
         self.bc_coeff = bc_coeff
         self.sigma_distribution = sigma_distribution
+        policy_keys = actor_network.tensor_keys
+        self.set_keys(
+            action=policy_keys.action,
+            sample_log_prob=policy_keys.log_prob,
+            step_log_prob=policy_keys.step_log_prob,
+            chain=policy_keys.chain,
+            sde_mask=policy_keys.sde_mask,
+        )
 
     def _set_in_keys(self) -> None:
         super()._set_in_keys()
         keys = set(self._in_keys)
         keys.update({self.tensor_keys.chain, self.tensor_keys.sde_mask})
-        if self.bc_coeff > 0:
+        keys.add(self.tensor_keys.step_log_prob)
+        if getattr(self, "bc_coeff", 0.0) > 0:
             keys.add(self.tensor_keys.success)
         self._in_keys = list(keys)
 
@@ -211,7 +233,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     def out_keys(self, values) -> None:
         self._out_keys = values
 
-    # ------------------------------------------------------------------ pieces
+    # ------------------------------------------------------------------ hooks
     def _actor_parameters(self):
         if self.functional:
             return self.actor_network_params.to_module(
@@ -228,14 +250,15 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
                 sde_mask_key=self.tensor_keys.sde_mask,
             )
 
-    def _old_log_prob(self, tensordict: TensorDictBase, steps: StochasticSteps) -> Tensor:
-        key = self.tensor_keys.sample_log_prob
+    def _old_step_log_prob(self, tensordict: TensorDictBase, steps: StochasticSteps) -> Tensor:
+        """The stored log-probs of the stochastic entries, ``[M]``."""
+        key = self.tensor_keys.step_log_prob
         old = tensordict.get(key, None)
         expected = (*tensordict.batch_size, self.actor_network.num_steps)
         if old is None:
             raise KeyError(
                 f"the stored per-step log-probs {key!r} are missing; FlowSDEPolicy writes "
-                f"them under RANDOM exploration (set_keys(sample_log_prob=...) to rename)."
+                f"them under RANDOM exploration (set_keys(step_log_prob=...) to rename)."
             )
         if tuple(old.shape) != expected:
             raise ValueError(
@@ -246,7 +269,29 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             raise RuntimeError(f"the stored log-probs {key!r} require grad; detach them.")
         return old.reshape(-1, old.shape[-1])[steps.decision_index, steps.step_index]
 
+    def _log_weight(
+        self, tensordict: TensorDictBase, adv_shape: torch.Size
+    ) -> tuple[Tensor, StochasticSteps, Tensor, Tensor | None]:
+        """PPO's log-prob hook, per denoising step.
+
+        Returns ``(log_weight, steps, kl_approx, log_is_weight)``, TorchRL's tuple with the
+        stochastic steps in the distribution's place: ``log_weight = log pi_theta -
+        log pi_old`` per (decision, step), ``[*B, K, 1]``, zero at deterministic steps;
+        ``kl_approx = -log_weight``; ``log_is_weight`` caps every step's ratio at
+        ``max_importance_ratio`` as TorchRL does (``None`` without a cap).
+        """
+        steps = self._stochastic_steps(tensordict)
+        log_prob = flow.gaussian_log_prob(steps.sample, steps.mean, steps.std)
+        entries = log_prob - self._old_step_log_prob(tensordict, steps).to(log_prob.dtype)
+        shape = (*adv_shape, self.actor_network.num_steps)
+        log_weight = flow.scatter_steps(steps, entries, shape).unsqueeze(-1)
+        log_is_weight = None
+        if self.max_importance_ratio is not None:
+            log_is_weight = (self.max_importance_ratio.log() - log_weight.detach()).clamp_max(0)
+        return log_weight, steps, -log_weight, log_is_weight
+
     def _advantage(self, tensordict: TensorDictBase) -> Tensor:
+        """The decision's advantage ``[*B, 1]``, from the value estimator if missing."""
         advantage = tensordict.get(self.tensor_keys.advantage, None)
         update_norm = advantage is None
         if advantage is None:
@@ -270,22 +315,110 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             )
         return self._maybe_normalize_advantage(advantage, tensordict, update_norm=update_norm)
 
-    def _reduce_steps(
-        self, values: Tensor, steps: StochasticSteps, tensordict: TensorDictBase
-    ) -> Tensor:
-        """Reduce per-entry ``values [M]`` over the stochastic entries with ``reduction``.
+    def _reduce_steps(self, values: Tensor, sde_mask: Tensor, tensordict: TensorDictBase) -> Tensor:
+        """Reduce per-step ``values [*B, K]`` over the stochastic entries with ``reduction``.
 
         ``"none"`` gives a ``[*B, K]`` tensor, zero at the deterministic steps. TorchRL's
         validity masks (``loss_mask_key``) are honoured.
         """
-        dense = self.actor_network.scatter_steps(tensordict, steps, values)
-        mask = self.actor_network.scatter_steps(
-            tensordict, steps, torch.ones_like(values, dtype=torch.bool)
-        )
+        values = torch.where(sde_mask, values, torch.zeros_like(values))
         if self.reduction == "none":
             # Validity masks read from the input zero their entries and keep the shape.
-            return self._reduce_loss(dense, tensordict)
-        return self._reduce_loss(dense, tensordict, mask=mask)
+            return self._reduce_loss(values, tensordict)
+        return self._reduce_loss(values, tensordict, mask=sde_mask)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        tensordict = tensordict.clone(False)
+        advantage = self._advantage(tensordict)
+        log_weight, steps, kl_approx, log_is_weight = self._log_weight(
+            tensordict, adv_shape=tensordict.batch_size
+        )
+        advantage = _broadcast_advantage_to_log_weight(advantage, log_weight)
+        _check_advantage_broadcast(advantage, log_weight)
+        clipped = log_weight.clamp(*self._clip_bounds)
+        if log_is_weight is None:  # the surrogate is weighted by pi_theta / pi_behaviour
+            behaviour, clipped_behaviour = log_weight, clipped
+        else:
+            behaviour, clipped_behaviour = log_weight + log_is_weight, clipped + log_is_weight
+        ratio = behaviour.exp()
+        gain = torch.minimum(ratio * advantage, clipped_behaviour.exp() * advantage)
+        if self.dual_clip is not None:
+            floor = self.dual_clip * advantage
+            gain = torch.where(advantage < 0, torch.maximum(gain, floor), gain)
+
+        sde_mask = flow.scatter_steps(
+            steps, torch.ones_like(steps.std, dtype=torch.bool), log_weight.shape[:-1]
+        )
+        shape = sde_mask.shape
+        out = TensorDict(
+            {"loss_objective": self._reduce_steps(-gain[..., 0], sde_mask, tensordict)}
+        )
+        if self._has_critic:
+            loss_critic, value_clip_fraction, explained_variance = self.loss_critic(tensordict)
+            out.set("loss_critic", self._reduce_loss(loss_critic, tensordict).squeeze(-1))
+            if value_clip_fraction is not None:
+                out.set("value_clip_fraction", value_clip_fraction)
+            if explained_variance is not None:
+                out.set("explained_variance", explained_variance.squeeze(-1))
+        if self.kl_coeff > 0:
+            kl = self._reference_kl(tensordict, steps)
+            dense_kl = flow.scatter_steps(steps, kl, shape)
+            out.set("loss_kl", self.kl_coeff * self._reduce_steps(dense_kl, sde_mask, tensordict))
+            out.set("kl_reference", kl.detach().mean())
+        if self.bc_coeff > 0:
+            out.set("loss_bc", self.bc_coeff * self._self_imitation(tensordict))
+
+        executed_numel = math.prod(steps.sample.shape[1:])
+        entropy = executed_numel * (steps.std.log() + 0.5 * math.log(2 * math.pi * math.e))
+        if self.entropy_bonus:
+            dense_entropy = flow.scatter_steps(steps, entropy, shape)
+            out.set(
+                "loss_entropy",
+                -self.entropy_coeff * self._reduce_steps(dense_entropy, sde_mask, tensordict),
+            )
+        with torch.no_grad():
+            # Diagnostics over the M stochastic entries (row-major), as ClipPPOLoss reports
+            # them over its samples.
+            entries, behaviour_entries = log_weight[..., 0][sde_mask], behaviour[..., 0][sde_mask]
+            num_entries = entries.numel()
+            clipped_entries = clipped[..., 0][sde_mask]
+            out.set("clip_fraction", (clipped_entries != entries).to(entries.dtype).mean())
+            out.set("kl_approx", kl_approx[..., 0][sde_mask].mean())
+            ess = (2 * behaviour_entries.logsumexp(0) - (2 * behaviour_entries).logsumexp(0)).exp()
+            out.set("ESS", ess / max(num_entries, 1))
+            ratio_entries = behaviour_entries.exp()
+            out.set("mean_ratio", ratio_entries.mean())
+            out.set("max_ratio", ratio_entries.max() if num_entries else ratio_entries.new_ones(()))
+            out.set("entropy", entropy.mean())
+            drift = entries.abs().max() if num_entries else entries.new_zeros(())
+            out.set("log_prob_drift", drift)
+            out.set("num_stochastic_steps", torch.tensor(num_entries))
+        self._clear_weakrefs(
+            tensordict,
+            out,
+            "actor_network_params",
+            "critic_network_params",
+            "target_actor_network_params",
+            "target_critic_network_params",
+        )
+        return out
+
+    # ------------------------------------------------------------------ extra terms
+    def _reference_kl(self, tensordict: TensorDictBase, steps: StochasticSteps) -> Tensor:
+        """Per-entry KL(pi || pi_ref) of the stochastic steps, ``[M]``."""
+        with torch.no_grad():
+            reference = self.reference_actor.stochastic_steps(
+                tensordict,
+                chain_key=self.tensor_keys.chain,
+                sde_mask_key=self.tensor_keys.sde_mask,
+            )
+        reference_mean = reference.mean.to(steps.mean.dtype)
+        if self.kl_estimator == "analytic":
+            squared = (steps.mean - reference_mean).pow(2).flatten(1).sum(-1)
+            return squared / (2 * steps.std.pow(2))
+        log_prob = flow.gaussian_log_prob(steps.sample, steps.mean, steps.std)
+        return log_prob - flow.gaussian_log_prob(steps.sample, reference_mean, steps.std)
 
     def _self_imitation(self, tensordict: TensorDictBase) -> Tensor:
         success = tensordict.get(self.tensor_keys.success, None)
@@ -320,81 +453,3 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             )
             return dense.reshape(batch_shape)
         return error.mean() if self.reduction == "mean" else error.sum()
-
-    # ------------------------------------------------------------------ forward
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        tensordict = tensordict.clone(False)
-        advantage = self._advantage(tensordict)
-        steps = self._stochastic_steps(tensordict)
-        log_prob = flow.gaussian_log_prob(steps.sample, steps.mean, steps.std)
-        log_weight = log_prob - self._old_log_prob(tensordict, steps).to(log_prob.dtype)
-        entry_advantage = advantage.reshape(-1)[steps.decision_index].to(log_weight.dtype)
-
-        ratio = log_weight.exp()
-        low, high = self._clip_bounds
-        clipped_log_weight = log_weight.clamp(low, high)
-        gain = torch.minimum(ratio * entry_advantage, clipped_log_weight.exp() * entry_advantage)
-        if self.dual_clip is not None:
-            floor = self.dual_clip * entry_advantage
-            gain = torch.where(entry_advantage < 0, torch.maximum(gain, floor), gain)
-
-        out = TensorDict({"loss_objective": self._reduce_steps(-gain, steps, tensordict)})
-        if self._has_critic:
-            loss_critic, value_clip_fraction, explained_variance = self.loss_critic(tensordict)
-            out.set("loss_critic", self._reduce_loss(loss_critic, tensordict).squeeze(-1))
-            if value_clip_fraction is not None:
-                out.set("value_clip_fraction", value_clip_fraction)
-            if explained_variance is not None:
-                out.set("explained_variance", explained_variance.squeeze(-1))
-        if self.kl_coeff > 0:
-            kl = self._reference_kl(tensordict, steps, log_prob)
-            out.set("loss_kl", self.kl_coeff * self._reduce_steps(kl, steps, tensordict))
-            out.set("kl_reference", kl.detach().mean())
-        if self.bc_coeff > 0:
-            out.set("loss_bc", self.bc_coeff * self._self_imitation(tensordict))
-
-        executed_numel = math.prod(steps.sample.shape[1:])
-        entropy = executed_numel * (steps.std.log() + 0.5 * math.log(2 * math.pi * math.e))
-        if self.entropy_bonus:
-            out.set(
-                "loss_entropy",
-                -self.entropy_coeff * self._reduce_steps(entropy, steps, tensordict),
-            )
-        with torch.no_grad():
-            num_entries = log_weight.numel()
-            out.set("clip_fraction", (clipped_log_weight != log_weight).to(log_weight.dtype).mean())
-            out.set("kl_approx", (-log_weight).mean())
-            ess = (2 * log_weight.logsumexp(0) - (2 * log_weight).logsumexp(0)).exp()
-            out.set("ESS", ess / max(num_entries, 1))
-            out.set("mean_ratio", ratio.mean())
-            out.set("max_ratio", ratio.max() if num_entries else ratio.new_ones(()))
-            out.set("entropy", entropy.mean())
-            drift = log_weight.abs().max() if num_entries else log_weight.new_zeros(())
-            out.set("log_prob_drift", drift)
-            out.set("num_stochastic_steps", torch.tensor(num_entries))
-        self._clear_weakrefs(
-            tensordict,
-            out,
-            "actor_network_params",
-            "critic_network_params",
-            "target_actor_network_params",
-            "target_critic_network_params",
-        )
-        return out
-
-    def _reference_kl(
-        self, tensordict: TensorDictBase, steps: StochasticSteps, log_prob: Tensor
-    ) -> Tensor:
-        """Per-entry KL(pi || pi_ref) of the stochastic steps, ``[M]``."""
-        with torch.no_grad():
-            reference = self.reference_actor.stochastic_steps(
-                tensordict,
-                chain_key=self.tensor_keys.chain,
-                sde_mask_key=self.tensor_keys.sde_mask,
-            )
-        reference_mean = reference.mean.to(steps.mean.dtype)
-        if self.kl_estimator == "analytic":
-            squared = (steps.mean - reference_mean).pow(2).flatten(1).sum(-1)
-            return squared / (2 * steps.std.pow(2))
-        reference_log_prob = flow.gaussian_log_prob(steps.sample, reference_mean, steps.std)
-        return log_prob - reference_log_prob

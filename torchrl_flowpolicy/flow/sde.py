@@ -1,34 +1,7 @@
-"""Flow-matching and Flow-SDE math as pure tensor functions.
+"""The Flow-SDE step: sigma grid, diffusion coefficient, Gaussian transition and log-density.
 
-This module knows nothing about TensorDicts or TorchRL: every function maps tensors to
-tensors, accepts any leading batch shape and takes its randomness as an argument, so that
-each formula can be tested against its closed form.
-
-Time convention (the only one used in the library):
-    ``sigma`` in [0, 1]; ``sigma = 1`` is pure noise, ``sigma = 0`` is the action.
-    Interpolant ``x_sigma = (1 - sigma) * action + sigma * noise``; the network predicts the
-    velocity ``v = noise - action``. Sampling integrates from sigma = 1 down to 0 with Euler
-    steps ``Delta_k = sigma_{k+1} - sigma_k < 0``. Chain index k = 0..K: ``x_0`` is the initial
-    noise, ``x_K`` the action chunk; step k maps ``x_k -> x_{k+1}`` using ``sigma_k``.
-
-Shape glossary:
-    ``B`` decisions (macro-steps), ``K`` denoising steps, ``H`` chunk length, ``D`` action
-    dimension, ``O`` observation features.
-
-Paper symbols and their names here:
-
-    | paper | code |
-    | --- | --- |
-    | sigma (Fast-WAM), t | ``sigma`` |
-    | a | ``noise_level`` |
-    | g(sigma) | ``noise_std_scale`` |
-    | Delta_k | ``step_size`` (negative) |
-    | mu_k, std_k | ``mean``, ``std`` |
-    | grad log p_sigma(x) | ``score`` |
-
-The Flow-SDE step is the reverse-time SDE of Song et al. (2021) that shares the marginals of
-the probability-flow ODE, with the noise schedule of Flow-GRPO (Liu et al., 2025) and pi-RL
-(Flow-SDE, Chen et al., 2025); see ``docs/conventions.md`` for the derivation.
+Pure tensor functions (see :mod:`torchrl_flowpolicy.flow` for the time convention and the
+symbol table); each is tested against its closed form.
 """
 
 from __future__ import annotations
@@ -43,20 +16,15 @@ __all__ = [
     "NoiseSchedule",
     "SDEMode",
     "SIGMA_CLAMP",
+    "probability_dtype",
     "sigma_grid",
     "noise_std_scale",
     "score",
+    "step_coefficients",
     "ode_step",
     "sde_step",
-    "step_coefficients",
     "gaussian_log_prob",
     "sample_sde_mask",
-    "interpolate",
-    "velocity_target",
-    "probability_dtype",
-    "SigmaDistribution",
-    "sample_training_sigma",
-    "flow_matching_error",
 ]
 
 NoiseSchedule = Literal["sqrt", "constant"]
@@ -316,76 +284,3 @@ def sample_sde_mask(
             raise ValueError(f"sde_mode='all' needs num_steps >= 2, got {num_steps}.")
         return (steps >= 1).expand(shape)
     raise ValueError(f"sde_mode must be 'mixed', 'last' or 'all', got {mode!r}.")
-
-
-def interpolate(action: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:
-    """The flow-matching interpolant ``x_sigma = (1 - sigma) * action + sigma * noise``.
-
-    ``sigma`` is broadcast from the left: shape ``[N]`` against ``[N, H, D]`` works.
-    """
-    sigma = sigma.reshape(sigma.shape + (1,) * (action.ndim - sigma.ndim))
-    return (1.0 - sigma) * action + sigma * noise
-
-
-def velocity_target(action: Tensor, noise: Tensor) -> Tensor:
-    """The flow-matching regression target ``v = noise - action``."""
-    return noise - action
-
-
-SigmaDistribution = Literal["uniform", "logit_normal", "beta"]
-
-
-def sample_training_sigma(
-    shape: tuple[int, ...] | torch.Size,
-    distribution: SigmaDistribution = "uniform",
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
-) -> Tensor:
-    """Noise levels for flow-matching training, drawn from the global RNG.
-
-    * ``"uniform"``: ``sigma ~ U(0, 1)`` (rectified flow).
-    * ``"logit_normal"``: ``sigma = sigmoid(z)``, ``z ~ N(0, 1)`` (Stable Diffusion 3).
-    * ``"beta"``: pi0's schedule in this convention: ``sigma = 0.001 + 0.999 u``,
-      ``u ~ Beta(1.5, 1)``, which favours high noise.
-
-    Examples:
-        >>> sample_training_sigma((5,)).shape
-        torch.Size([5])
-    """
-    if distribution == "uniform":
-        return torch.rand(shape, dtype=dtype, device=device)
-    if distribution == "logit_normal":
-        return torch.sigmoid(torch.randn(shape, dtype=dtype, device=device))
-    if distribution == "beta":
-        concentration = torch.tensor([1.5, 1.0], dtype=dtype, device=device)
-        u = torch.distributions.Beta(concentration[0], concentration[1]).sample(shape)
-        return 0.001 + 0.999 * u
-    raise ValueError(
-        f"sigma distribution must be 'uniform', 'logit_normal' or 'beta', got {distribution!r}."
-    )
-
-
-def flow_matching_error(
-    predicted_velocity: Tensor, action: Tensor, noise: Tensor, row_mask: Tensor | None = None
-) -> Tensor:
-    """Per-sample flow-matching error ``mean ||v_pred - (noise - action)||^2``.
-
-    The squared error is averaged over the action dimension and the valid chunk rows.
-
-    Args:
-        predicted_velocity: ``[N, H, D]``.
-        action: the target chunk, ``[N, H, D]``.
-        noise: the noise it was interpolated with, ``[N, H, D]``.
-        row_mask: ``[N, H]`` booleans, ``True`` for real (non-padding) rows; ``None``: all.
-
-    Returns:
-        ``[N]``; 0 for a sample without valid rows.
-    """
-    dtype = probability_dtype(predicted_velocity.dtype)
-    error = (predicted_velocity.to(dtype) - velocity_target(action, noise).to(dtype)).pow(2)
-    error = error.mean(-1)
-    if row_mask is None:
-        return error.mean(-1)
-    row_mask = row_mask.to(dtype)
-    return (error * row_mask).sum(-1) / row_mask.sum(-1).clamp_min(1.0)

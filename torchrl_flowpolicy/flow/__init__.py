@@ -1,0 +1,94 @@
+"""Flow-matching and Flow-SDE math as pure tensor functions.
+
+This package knows nothing about TensorDicts or TorchRL: every function maps tensors to
+tensors, accepts any leading batch shape and takes its randomness as an argument, so that
+each formula can be tested against its closed form.
+
+Time convention (the only one used in the library):
+    ``sigma`` in [0, 1]; ``sigma = 1`` is pure noise, ``sigma = 0`` is the action.
+    Interpolant ``x_sigma = (1 - sigma) * action + sigma * noise``; the network predicts the
+    velocity ``v = noise - action``. Sampling integrates from sigma = 1 down to 0 with Euler
+    steps ``Delta_k = sigma_{k+1} - sigma_k < 0``. Chain index k = 0..K: ``x_0`` is the initial
+    noise, ``x_K`` the action chunk; step k maps ``x_k -> x_{k+1}`` using ``sigma_k``.
+
+Shape glossary:
+    ``B`` decisions (macro-steps), ``K`` denoising steps, ``H`` chunk length, ``D`` action
+    dimension, ``O`` observation features.
+
+Paper symbols and their names here:
+
+    | paper | code |
+    | --- | --- |
+    | sigma (Fast-WAM), t | ``sigma`` |
+    | a | ``noise_level`` |
+    | g(sigma) | ``noise_std_scale`` |
+    | Delta_k | ``step_size`` (negative) |
+    | mu_k, std_k | ``mean``, ``std`` |
+    | grad log p_sigma(x) | ``score`` |
+
+The Flow-SDE step is the reverse-time SDE of Song et al. (2021) that shares the marginals of
+the probability-flow ODE, with the noise schedule of Flow-GRPO (Liu et al., 2025) and pi-RL
+(Flow-SDE, Chen et al., 2025); see ``docs/conventions.md`` for the derivation.
+
+Modules: :mod:`~torchrl_flowpolicy.flow.sde` (the grid, the Flow-SDE step and its
+log-density), :mod:`~torchrl_flowpolicy.flow.sampling` (the sampling schedule, the one
+integration loop, the rescoring of stored chains) and :mod:`~torchrl_flowpolicy.flow.training`
+(the flow-matching target). Every name is re-exported here: ``from torchrl_flowpolicy import
+flow; flow.sigma_grid(8)``.
+"""
+
+from torchrl_flowpolicy.flow.sampling import (
+    SamplingSchedule,
+    StochasticSteps,
+    integrate,
+    sampling_schedule,
+    scatter_steps,
+    stochastic_steps,
+)
+from torchrl_flowpolicy.flow.sde import (
+    SIGMA_CLAMP,
+    NoiseSchedule,
+    SDEMode,
+    gaussian_log_prob,
+    noise_std_scale,
+    ode_step,
+    probability_dtype,
+    sample_sde_mask,
+    score,
+    sde_step,
+    sigma_grid,
+    step_coefficients,
+)
+from torchrl_flowpolicy.flow.training import (
+    SigmaDistribution,
+    flow_matching_error,
+    interpolate,
+    sample_training_sigma,
+    velocity_target,
+)
+
+__all__ = [
+    "NoiseSchedule",
+    "SDEMode",
+    "SIGMA_CLAMP",
+    "probability_dtype",
+    "sigma_grid",
+    "noise_std_scale",
+    "score",
+    "step_coefficients",
+    "ode_step",
+    "sde_step",
+    "gaussian_log_prob",
+    "sample_sde_mask",
+    "SamplingSchedule",
+    "sampling_schedule",
+    "integrate",
+    "StochasticSteps",
+    "stochastic_steps",
+    "scatter_steps",
+    "interpolate",
+    "velocity_target",
+    "SigmaDistribution",
+    "sample_training_sigma",
+    "flow_matching_error",
+]

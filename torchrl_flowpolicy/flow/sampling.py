@@ -1,0 +1,247 @@
+"""The sampler: one schedule, one integration loop, and the rescoring of a stored chain.
+
+Every step of the mixed ODE/SDE sampler is the same affine update
+``x_{k+1} = x_coefficient_k * x_k + velocity_coefficient_k * v_k + std_k * xi_k``: a
+stochastic Flow-SDE step uses the coefficients of :func:`~torchrl_flowpolicy.flow.step_coefficients`,
+a deterministic (Euler ODE) step uses ``(1, Delta_k, 0)``. :func:`integrate` runs that loop
+for rollouts, evaluation and DSRL decoding; :func:`stochastic_steps` recomputes the Gaussian
+means of the stored stochastic steps for the learner in one batched velocity call.
+
+The velocity is a callback ``velocity(x, sigma, ...) -> v`` on tensors: the policy maps it to
+its network, context and dtype, so this module stays free of modules and TensorDicts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from torchrl_flowpolicy.flow.sde import NoiseSchedule, sigma_grid, step_coefficients
+
+__all__ = [
+    "SamplingSchedule",
+    "sampling_schedule",
+    "integrate",
+    "StochasticSteps",
+    "stochastic_steps",
+    "scatter_steps",
+]
+
+
+class SamplingSchedule(NamedTuple):
+    """The per-step constants of a ``K``-step sampler.
+
+    Attributes:
+        sigmas: ``[K + 1]`` the grid ``sigma_0 = 1 > ... > sigma_K = 0``.
+        x_coefficient: ``[K]`` weight of ``x_k`` in the stochastic step's mean.
+        velocity_coefficient: ``[K]`` weight of ``v_k`` in the stochastic step's mean.
+        std: ``[K]`` the stochastic step's standard deviation.
+        step_size: ``[K]`` the Euler step ``Delta_k = sigma_{k+1} - sigma_k`` (negative).
+    """
+
+    sigmas: Tensor
+    x_coefficient: Tensor
+    velocity_coefficient: Tensor
+    std: Tensor
+    step_size: Tensor
+
+    @property
+    def num_steps(self) -> int:
+        """``K``."""
+        return self.step_size.shape[0]
+
+
+def sampling_schedule(
+    num_steps: int,
+    noise_level: float,
+    shift: float = 1.0,
+    noise_schedule: NoiseSchedule = "sqrt",
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> SamplingSchedule:
+    """The grid and the affine coefficients of every step (see :class:`SamplingSchedule`).
+
+    Examples:
+        >>> schedule = sampling_schedule(4, noise_level=0.0)
+        >>> schedule.sigmas, schedule.step_size
+        (tensor([1.0000, 0.7500, 0.5000, 0.2500, 0.0000]), tensor([-0.2500, -0.2500, -0.2500, -0.2500]))
+    """
+    sigmas = sigma_grid(num_steps, shift, dtype=dtype, device=device)
+    return SamplingSchedule(
+        sigmas,
+        *step_coefficients(sigmas, noise_level, noise_schedule),
+        sigmas[1:] - sigmas[:-1],
+    )
+
+
+#: ``velocity(x [N, H, D], sigma [N]) -> v [N, H, D]`` for :func:`integrate`.
+Velocity = Callable[[Tensor, Tensor], Tensor]
+
+
+def integrate(
+    velocity: Velocity,
+    initial_noise: Tensor,
+    schedule: SamplingSchedule,
+    sde_mask: Tensor | None = None,
+    step_noise: Tensor | None = None,
+    *,
+    sigma_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Run the mixed ODE/SDE sampler from ``x_0 = initial_noise``.
+
+    Args:
+        velocity: ``velocity(x, sigma) -> v`` with ``x [N, H, D]`` (the dtype of the chain)
+            and ``sigma [N]`` (``sigma_dtype``).
+        initial_noise: ``x_0``, ``[N, H, D]``; its dtype is the chain's (float32 or wider).
+        schedule: the sampler's constants (:func:`sampling_schedule`).
+        sde_mask: ``[N, K]`` booleans, the stochastic steps; ``None``: the plain Euler ODE.
+        step_noise: ``[N, K, H, D]`` standard normal noise ``xi_k`` (read where ``sde_mask``).
+        sigma_dtype: the dtype of the ``sigma`` handed to ``velocity`` (default: the chain's).
+
+    Returns:
+        ``(chain [N, K + 1, H, D], means [N, K, H, D])``; ``means`` (the Gaussian mean of every
+        step, the ODE update at deterministic steps) is ``None`` without ``sde_mask``.
+
+    Raises:
+        ValueError: the chain is not finite (the message names the first bad step).
+
+    Examples:
+        >>> schedule = sampling_schedule(4, noise_level=0.0)
+        >>> chain, _ = integrate(lambda x, sigma: torch.ones_like(x), torch.zeros(1, 2, 3), schedule)
+        >>> chain[0, -1, 0]  # x_K = x_0 + sum_k Delta_k * 1
+        tensor([-1., -1., -1.])
+    """
+    num_steps = schedule.num_steps
+    num_decisions = initial_noise.shape[0]
+    sigma_dtype = initial_noise.dtype if sigma_dtype is None else sigma_dtype
+    sigma_steps = (
+        schedule.sigmas[:-1].to(sigma_dtype)[:, None].expand(num_steps, num_decisions).unbind(0)
+    )
+    # Per-step (and, with a mask, per-decision) coefficients, selected once:
+    # an ODE step is (1, Delta, 0).
+    if sde_mask is None:
+        x_coefficient = torch.ones_like(schedule.step_size)[None]
+        velocity_coefficient = schedule.step_size[None]
+        noise_steps = None
+    else:
+        x_coefficient = torch.where(sde_mask, schedule.x_coefficient, 1.0)
+        velocity_coefficient = torch.where(
+            sde_mask, schedule.velocity_coefficient, schedule.step_size
+        )
+        std = torch.where(sde_mask, schedule.std, 0.0)
+        # The noise terms std_k * xi_k of all steps in one multiplication.
+        noise_steps = (std[..., None, None] * step_noise).unbind(1)
+    x_steps = x_coefficient[..., None, None].unbind(1)
+    velocity_steps = velocity_coefficient[..., None, None].unbind(1)
+    # Preallocated, step-major: chain[k] and means[k] are contiguous blocks that each step
+    # writes in place (``out=``); the returned views are [N, K + 1, H, D] and [N, K, H, D].
+    chain = initial_noise.new_empty((num_steps + 1, *initial_noise.shape))
+    chain[0] = initial_noise
+    means = None if noise_steps is None else torch.empty_like(chain[1:])
+    for step in range(num_steps):
+        x = chain[step]
+        v = velocity(x, sigma_steps[step])
+        mean = chain[step + 1] if means is None else means[step]
+        torch.add(x_steps[step] * x, velocity_steps[step] * v, out=mean)
+        if noise_steps is not None:
+            torch.add(mean, noise_steps[step], out=chain[step + 1])
+    chain = chain.transpose(0, 1)
+    # A finite sum proves a finite chain; only a non-finite sum needs the exact check.
+    if not torch.isfinite(chain.sum()) and not torch.isfinite(chain).all():
+        bad = int((~torch.isfinite(chain)).flatten(2).any(-1).any(0).nonzero()[0]) - 1
+        raise ValueError(
+            f"the velocity produced non-finite values at denoising step {bad} "
+            f"(sigma={float(schedule.sigmas[bad]):.4f}): x_{bad + 1} is not finite. Check the "
+            f"network's inputs (observation scaling) and its dtype."
+        )
+    return chain, None if means is None else means.transpose(0, 1)
+
+
+class StochasticSteps(NamedTuple):
+    """The Gaussian transitions of the stochastic (decision, step) entries of a batch.
+
+    ``M`` is the number of stochastic entries, in row-major order of the flattened ``[N, K]``
+    mask (the order of ``tensor[mask]``).
+
+    Attributes:
+        decision_index: ``[M]`` index into the flattened batch of decisions.
+        step_index: ``[M]`` denoising step ``k`` of each entry.
+        mean: ``[M, H', D]`` the Gaussian mean ``mu_k`` under the current parameters.
+        std: ``[M]`` the standard deviation ``std_k`` (parameter-free).
+        sample: ``[M, H', D]`` the stored ``x_{k+1}``.
+
+    ``H'`` is the number of rows the log-probability covers (the executed rows).
+    """
+
+    decision_index: Tensor
+    step_index: Tensor
+    mean: Tensor
+    std: Tensor
+    sample: Tensor
+
+
+#: ``velocity(x [M, H, D], sigma [M], decision_index [M]) -> v [M, H, D]``.
+IndexedVelocity = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def stochastic_steps(
+    velocity: IndexedVelocity,
+    chain: Tensor,
+    sde_mask: Tensor,
+    schedule: SamplingSchedule,
+    rows: int | None = None,
+) -> StochasticSteps:
+    """Recompute the Gaussian transitions of the stochastic steps of stored chains.
+
+    One batched ``velocity`` call over all ``M`` stochastic entries (never a loop over K);
+    the gradient reaches the parameters through the means only.
+
+    Args:
+        velocity: ``velocity(x, sigma, decision_index) -> v``; ``decision_index`` tells the
+            callback which decision's context each entry needs.
+        chain: ``[N, K + 1, H, D]`` the stored ``x_0 .. x_K``.
+        sde_mask: ``[N, K]`` the stored stochastic-step mask.
+        schedule: the sampler's constants, in the chain's dtype.
+        rows: the leading chunk rows the log-probability covers (default: all ``H``).
+
+    Examples:
+        >>> schedule = sampling_schedule(4, noise_level=0.5)
+        >>> chain, mask = torch.randn(2, 5, 3, 1), torch.tensor([[False, True, False, False]] * 2)
+        >>> steps = stochastic_steps(lambda x, sigma, i: torch.zeros_like(x), chain, mask, schedule)
+        >>> steps.mean.shape, steps.step_index.tolist()
+        (torch.Size([2, 3, 1]), [1, 1])
+    """
+    decision_index, step_index = sde_mask.bool().nonzero(as_tuple=True)
+    x = chain[decision_index, step_index]
+    sample = chain[decision_index, step_index + 1]
+    v = velocity(x, schedule.sigmas[step_index], decision_index)
+    mean = (
+        schedule.x_coefficient[step_index, None, None] * x
+        + schedule.velocity_coefficient[step_index, None, None] * v
+    )
+    rows = chain.shape[-2] if rows is None else rows
+    return StochasticSteps(
+        decision_index, step_index, mean[:, :rows], schedule.std[step_index], sample[:, :rows]
+    )
+
+
+def scatter_steps(steps: StochasticSteps, values: Tensor, shape: torch.Size) -> Tensor:
+    """Place per-entry ``values [M]`` into a zero tensor of ``shape = [*B, K]``.
+
+    The entries index the flattened ``[prod(B), K]`` grid (:class:`StochasticSteps`).
+
+    Examples:
+        >>> steps = StochasticSteps(torch.tensor([1]), torch.tensor([2]), None, None, None)
+        >>> scatter_steps(steps, torch.tensor([5.0]), torch.Size([2, 3]))
+        tensor([[0., 0., 0.],
+                [0., 0., 5.]])
+    """
+    *batch_shape, num_steps = shape
+    out = values.new_zeros(max(math.prod(batch_shape), 1), num_steps)
+    out = out.index_put((steps.decision_index, steps.step_index), values)
+    return out.reshape(shape)
