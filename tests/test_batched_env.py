@@ -63,7 +63,7 @@ def test_partial_step_and_partial_reset():
 
 
 def test_time_limit_and_same_seed_same_states():
-    env = make_chunked_env(BatchedGymEnv(ENV_ID, 2, max_episode_steps=6), chunk_length=4)
+    env = make_chunked_env(BatchedGymEnv(ENV_ID, 2, max_episode_steps=6), executed_chunk_length=4)
     env.set_seed(1)
     first = env.rollout(4, break_when_any_done=False)
     assert first["next", "truncated"].squeeze(-1).tolist() == [[False, True, False, True]] * 2

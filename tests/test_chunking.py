@@ -49,10 +49,10 @@ def make_batched_env(
     return batched_class(len(max_episode_steps), create_env_fns)
 
 
-def random_chunks(num_decisions: int, chunk_length: int, *batch: int, seed: int = 0):
-    """``[*batch, T, H, 7]`` actions in the Pusher box ``[-2, 2]``."""
+def random_chunks(num_decisions: int, executed_chunk_length: int, *batch: int, seed: int = 0):
+    """``[*batch, T, H', 7]`` actions in the Pusher box ``[-2, 2]``."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (*batch, num_decisions, chunk_length, ACTION_DIM)
+    shape = (*batch, num_decisions, executed_chunk_length, ACTION_DIM)
     return torch.rand(shape, generator=generator) * 4 - 2
 
 
@@ -69,7 +69,7 @@ def replay_policy(chunks: torch.Tensor, batch_dims: int):
 
 
 def step_row_by_row(max_episode_steps: int, seed: int, chunks: torch.Tensor) -> dict:
-    """Execute ``chunks [T, H, 7]`` one row at a time on a fresh base environment.
+    """Execute ``chunks [T, H', 7]`` one row at a time on a fresh base environment.
 
     Returns per-decision tensors: the summed reward, the done / terminated / truncated flags
     and the observation and step count of the last executed step, the observation the
@@ -78,7 +78,7 @@ def step_row_by_row(max_episode_steps: int, seed: int, chunks: torch.Tensor) -> 
     """
     env = make_base_env(max_episode_steps)
     next_seed = env.set_seed(seed)
-    num_decisions, chunk_length = chunks.shape[:2]
+    num_decisions, executed_chunk_length = chunks.shape[:2]
     out = {
         "reward": torch.zeros(num_decisions, 1),
         "done": torch.zeros(num_decisions, 1, dtype=torch.bool),
@@ -92,7 +92,7 @@ def step_row_by_row(max_episode_steps: int, seed: int, chunks: torch.Tensor) -> 
     tensordict = env.reset()
     for decision in range(num_decisions):
         out["observation"][decision] = tensordict["observation"]
-        for row in range(chunk_length):
+        for row in range(executed_chunk_length):
             tensordict["action"] = chunks[decision, row]
             tensordict = env.step(tensordict)
             out["reward"][decision] += tensordict["next", "reward"]
@@ -123,13 +123,13 @@ def assert_matches_reference(rollout: TensorDictBase, reference: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- specs
-@pytest.mark.parametrize("chunk_length", [1, 4])
-def test_specs_fix_the_chunk_length_and_keep_the_reward_shape(chunk_length):
-    env = make_chunked_env(make_base_env(), chunk_length)
-    assert env.full_action_spec["action"].shape == (chunk_length, ACTION_DIM)
+@pytest.mark.parametrize("executed_chunk_length", [1, 4])
+def test_specs_fix_the_executed_chunk_length_and_keep_the_reward_shape(executed_chunk_length):
+    env = make_chunked_env(make_base_env(), executed_chunk_length)
+    assert env.full_action_spec["action"].shape == (executed_chunk_length, ACTION_DIM)
     assert env.full_reward_spec["reward"].shape == (1,)
-    assert env.fake_tensordict()["action"].shape == (chunk_length, ACTION_DIM)
-    assert env.rand_action()["action"].shape == (chunk_length, ACTION_DIM)
+    assert env.fake_tensordict()["action"].shape == (executed_chunk_length, ACTION_DIM)
+    assert env.rand_action()["action"].shape == (executed_chunk_length, ACTION_DIM)
     check_env_specs(env, seed=0)
     env.close()
 
@@ -160,8 +160,8 @@ def test_bounded_reward_spec_is_widened_to_a_sum_of_rewards():
     assert isinstance(reward_spec["free"], Unbounded)
 
 
-def test_invalid_chunk_length_is_rejected():
-    with pytest.raises(ValueError, match="chunk_length must be >= 1"):
+def test_invalid_executed_chunk_length_is_rejected():
+    with pytest.raises(ValueError, match="executed_chunk_length must be >= 1"):
         ChunkedAction(0)
 
 
@@ -175,28 +175,28 @@ def test_chunk_of_the_wrong_length_raises_a_clear_error():
 
 
 # ---------------------------------------------------------------------------- rewards
-@pytest.mark.parametrize("chunk_length", [1, 4])
-def test_reward_is_the_sum_of_the_executed_steps(chunk_length):
+@pytest.mark.parametrize("executed_chunk_length", [1, 4])
+def test_reward_is_the_sum_of_the_executed_steps(executed_chunk_length):
     num_decisions, seed = 5, 3
-    chunks = random_chunks(num_decisions, chunk_length)
-    env = make_chunked_env(make_base_env(), chunk_length)
+    chunks = random_chunks(num_decisions, executed_chunk_length)
+    env = make_chunked_env(make_base_env(), executed_chunk_length)
     env.set_seed(seed)
     rollout = env.rollout(num_decisions, replay_policy(chunks, 0), break_when_any_done=False)
     env.close()
     reference = step_row_by_row(100, seed, chunks)
     assert not reference["done"].any()
-    assert (reference["rows"] == chunk_length).all()
+    assert (reference["rows"] == executed_chunk_length).all()
     assert_matches_reference(rollout, reference)
-    # Each decision executed exactly chunk_length environment steps.
-    expected_count = torch.arange(1, num_decisions + 1)[:, None] * chunk_length
+    # Each decision executed exactly executed_chunk_length environment steps.
+    expected_count = torch.arange(1, num_decisions + 1)[:, None] * executed_chunk_length
     assert torch.equal(rollout["next", "step_count"], expected_count)
 
 
 def test_done_inside_a_chunk_stops_the_chunk_and_the_next_decision_starts_from_a_reset():
     # Episodes of 6 steps with chunks of 4: decisions execute 4, 2, 4, 2, ... steps.
-    num_decisions, chunk_length, seed = 6, 4, 5
-    chunks = random_chunks(num_decisions, chunk_length, seed=1)
-    env = make_chunked_env(make_base_env(max_episode_steps=6), chunk_length)
+    num_decisions, executed_chunk_length, seed = 6, 4, 5
+    chunks = random_chunks(num_decisions, executed_chunk_length, seed=1)
+    env = make_chunked_env(make_base_env(max_episode_steps=6), executed_chunk_length)
     env.set_seed(seed)
     rollout = env.rollout(num_decisions, replay_policy(chunks, 0), break_when_any_done=False)
     env.close()
@@ -231,9 +231,9 @@ def test_rollout_that_breaks_at_the_first_done():
 def check_batched_env(batched_class: type) -> None:
     # Sub-environment 0 ends its episodes after 6 steps, sub-environment 1 after 9: with
     # chunks of 4, each finishes mid-chunk while the other one goes on stepping.
-    episode_lengths, chunk_length, num_decisions, seed = (6, 9), 4, 6, 7
-    chunks = random_chunks(num_decisions, chunk_length, len(episode_lengths), seed=3)
-    env = make_chunked_env(make_batched_env(batched_class, episode_lengths), chunk_length)
+    episode_lengths, executed_chunk_length, num_decisions, seed = (6, 9), 4, 6, 7
+    chunks = random_chunks(num_decisions, executed_chunk_length, len(episode_lengths), seed=3)
+    env = make_chunked_env(make_batched_env(batched_class, episode_lengths), executed_chunk_length)
     env.set_seed(seed)
     rollout = env.rollout(num_decisions, replay_policy(chunks, 1), break_when_any_done=False)
     env.close()
@@ -311,5 +311,5 @@ def test_decision_discount():
     assert decision_discount(0.9, 1) == 0.9
     with pytest.raises(ValueError, match="gamma_step"):
         decision_discount(1.5, 4)
-    with pytest.raises(ValueError, match="chunk_length"):
+    with pytest.raises(ValueError, match="executed_chunk_length"):
         decision_discount(0.99, 0)

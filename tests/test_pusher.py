@@ -1,4 +1,8 @@
-"""The default task: scripted expert, success criterion, TorchRL env and cached demos."""
+"""The default task: success criterion, scripted expert, TorchRL env and cached demos.
+
+Covers :mod:`torchrl_flowpolicy.envs.pusher`, :mod:`~torchrl_flowpolicy.envs.pusher_expert`
+and :mod:`~torchrl_flowpolicy.envs.demonstrations`.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +15,20 @@ import numpy as np
 import pytest
 import torch
 from torchrl.collectors import Collector
+from torchrl.envs import Compose, DoubleToFloat, GymEnv, TransformedEnv
 from torchrl.envs.utils import check_env_specs
 
-from torchrl_flowpolicy.envs import make_chunked_env
+from torchrl_flowpolicy.envs import BatchedGymEnv, make_chunked_env
+from torchrl_flowpolicy.envs.demonstrations import collect_demos, demos_path, load_or_collect_demos
 from torchrl_flowpolicy.envs.pusher import (
     DEFAULT_SUCCESS_THRESHOLD,
-    PusherExpert,
-    collect_demos,
-    demos_path,
+    PUSHER_ENV_ID,
+    PusherTask,
     is_success,
-    load_or_collect_demos,
     make_pusher_env,
     object_goal_distance,
 )
+from torchrl_flowpolicy.envs.pusher_expert import PusherExpert
 
 
 def synthetic_observation(object_xyz, goal_xyz, wrist_xyz=(0.0, 0.0, 0.0)) -> torch.Tensor:
@@ -96,7 +101,7 @@ def test_noisy_expert_is_reproducible_and_keeps_the_clean_action():
     env = gym.make("Pusher-v5", max_episode_steps=20)
     actions = []
     for _ in range(2):
-        expert = PusherExpert(env, noise_level=0.5, seed=3)
+        expert = PusherExpert(env, action_noise=0.5, seed=3)
         env.reset(seed=1)
         run = []
         for _ in range(20):
@@ -125,8 +130,8 @@ def test_expert_resets_itself_on_a_new_episode():
 
 def test_expert_rejects_bad_arguments():
     env = gym.make("Pusher-v5")
-    with pytest.raises(ValueError, match="noise_level"):
-        PusherExpert(env, noise_level=-0.1)
+    with pytest.raises(ValueError, match="action_noise"):
+        PusherExpert(env, action_noise=-0.1)
     with pytest.raises(ValueError, match="Pusher-v5"):
         PusherExpert(gym.make("Reacher-v5"))
 
@@ -206,11 +211,49 @@ def test_env_runs_under_a_collector():
     assert batch["next", "done"].sum() == 2
 
 
+@pytest.mark.parametrize("num_envs", [None, 3])
+def test_factory_is_bit_identical_to_the_composition_it_replaces(num_envs):
+    # num_envs=None: GymEnv + DoubleToFloat + PusherTask (the old make_pusher_env); an int:
+    # BatchedGymEnv + PusherTask (the examples' old make_env); both then chunked.
+    task = {"success_threshold": 0.3, "reward": "progress"}
+    if num_envs is None:
+        base = GymEnv(PUSHER_ENV_ID, max_episode_steps=10)
+        composed = TransformedEnv(base, Compose(DoubleToFloat(), PusherTask(**task)))
+    else:
+        base = BatchedGymEnv(PUSHER_ENV_ID, num_envs, max_episode_steps=10)
+        composed = TransformedEnv(base, PusherTask(**task))
+    composed = make_chunked_env(composed, 4)
+    factory = make_pusher_env(num_envs, executed_chunk_length=4, max_episode_steps=10, **task)
+    assert [type(t) for t in factory.transform] == [type(t) for t in composed.transform]
+    batch = () if num_envs is None else (num_envs,)
+    generator = torch.Generator().manual_seed(0)
+    chunks = torch.rand(3, *batch, 4, 7, generator=generator) * 4 - 2
+    runs = []
+    for env in (composed, factory):
+        env.set_seed(5)
+        td = env.reset()
+        outputs = [td.clone()]
+        for chunk in chunks:  # 10 steps in chunks of 4: the last decision hits the time limit
+            td = env.step(td.set("action", chunk))
+            outputs.append(td["next"].clone())
+            td = env.step_mdp(td)
+        runs.append(outputs)
+    for composed_out, factory_out in zip(*runs, strict=True):
+        assert set(factory_out.keys(True, True)) == set(composed_out.keys(True, True))
+        for key in composed_out.keys(True, True):
+            assert torch.equal(factory_out[key], composed_out[key]), key
+    assert runs[1][-1]["done"].all()
+
+
 def test_bad_env_arguments():
     with pytest.raises(ValueError, match="reward"):
         make_pusher_env(reward="shaped")
     with pytest.raises(ValueError, match="success_threshold"):
         make_pusher_env(success_threshold=-1.0)
+    with pytest.raises(ValueError, match="max_episode_steps"):
+        make_pusher_env(2, max_episode_steps=0)
+    with pytest.raises(ValueError, match="num_envs"):
+        make_pusher_env(0)
 
 
 # ----------------------------------------------------------------------------- demos
@@ -229,7 +272,7 @@ def test_demos_round_trip(tmp_path):
     stored = torch.load(path, weights_only=True)
     for key in ("observation", "action", "expert_action", "final_distance", "success"):
         torch.testing.assert_close(stored[key], demos[key])
-    assert stored["config"]["noise_level"] == 0.5
+    assert stored["config"]["action_noise"] == 0.5
 
     again, _, loaded = load_or_collect_demos(
         2, 0.5, seed=1, max_episode_steps=15, directory=tmp_path
@@ -249,11 +292,21 @@ def test_demos_round_trip(tmp_path):
 
 def test_cached_demos_with_other_settings_are_refused(tmp_path):
     demos = collect_demos(1, 0.0, seed=0, max_episode_steps=5)
-    demos["config"]["noise_level"] = 0.3
+    demos["config"]["action_noise"] = 0.3
     path = demos_path(tmp_path, 1, 0.0, 0, 5)
     torch.save(demos, path)
     with pytest.raises(ValueError, match="other settings"):
         load_or_collect_demos(1, 0.0, seed=0, max_episode_steps=5, directory=tmp_path)
+
+
+def test_demos_cache_is_written_atomically(tmp_path, monkeypatch):
+    def failing_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        load_or_collect_demos(1, 0.0, seed=0, max_episode_steps=5, directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # neither a partial cache file nor a temporary one
 
 
 def test_collect_demos_script(tmp_path, capsys, monkeypatch):

@@ -4,15 +4,37 @@ from __future__ import annotations
 
 import os
 import pickle
+import stat
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint
+from torchrl_flowpolicy.checkpoint import atomic_write, load_checkpoint, save_checkpoint
 from torchrl_flowpolicy.data import make_chunk_dataset
 from torchrl_flowpolicy.evaluation import episode_outcomes
 from torchrl_flowpolicy.networks import ObservationNormalizer
+
+
+def test_atomic_write_failing_writer_keeps_the_old_file(tmp_path):
+    path = tmp_path / "data.bin"
+    assert atomic_write(path, lambda file: file.write(b"old")) == path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # not mkstemp's private mode
+
+    def failing(file):
+        file.write(b"partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(path, failing)
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["data.bin"]  # no temporary file left behind
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(tmp_path / "new" / "other.bin", failing)
+    assert os.listdir(tmp_path / "new") == []  # a failed first write creates no file
+    atomic_write(path, lambda file: file.write(b"new"))
+    assert path.read_bytes() == b"new"
+    assert sorted(os.listdir(tmp_path)) == ["data.bin", "new"]
 
 
 def test_checkpoint_round_trip_and_atomic_replace(tmp_path):

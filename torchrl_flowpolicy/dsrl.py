@@ -261,7 +261,7 @@ class NoiseDecoder(TensorDictModuleBase):
         policy: FlowSDEPolicy,
         *,
         noise_key: NestedKey = NOISE_KEY,
-        action_key: NestedKey = ACTION_KEY,
+        action_key: NestedKey = "action",
     ):
         super().__init__()
         self.policy = freeze_policy(policy)

@@ -1,16 +1,21 @@
-"""Environments: chunked execution, batched gymnasium environments and the default task."""
+"""Environments: chunked execution, batched gymnasium environments and the default task.
+
+The default task is split by concept: :mod:`~torchrl_flowpolicy.envs.pusher` (task facts,
+success test, :class:`PusherTask`, :func:`make_pusher_env`),
+:mod:`~torchrl_flowpolicy.envs.pusher_expert` (the scripted :class:`PusherExpert`) and
+:mod:`~torchrl_flowpolicy.envs.demonstrations` (collecting and caching its demonstrations).
+"""
 
 from torchrl_flowpolicy.envs.batched import BatchedGymEnv
 from torchrl_flowpolicy.envs.chunking import ChunkedAction, decision_discount, make_chunked_env
+from torchrl_flowpolicy.envs.demonstrations import collect_demos, load_or_collect_demos
 from torchrl_flowpolicy.envs.pusher import (
-    PusherExpert,
     PusherTask,
-    collect_demos,
     is_success,
-    load_or_collect_demos,
     make_pusher_env,
     object_goal_distance,
 )
+from torchrl_flowpolicy.envs.pusher_expert import PusherExpert
 
 __all__ = [
     "BatchedGymEnv",

@@ -34,17 +34,18 @@ __all__ = ["ChunkedAction", "make_chunked_env", "decision_discount"]
 
 
 class ChunkedAction(MultiAction):
-    """Execute a chunk of ``chunk_length`` actions per step; the reward is their sum.
+    """Execute a chunk of ``executed_chunk_length`` actions per step; the reward is their sum.
 
-    The action spec becomes ``[*B, chunk_length, *action_shape]`` (a fixed length, so specs,
-    random actions, fake tensordicts and storages know the shape); the reward spec keeps the
-    base environment's shape (a bounded reward's bounds are widened to those of a sum of
-    ``1..chunk_length`` rewards).
+    The action spec becomes ``[*B, executed_chunk_length, *action_shape]`` (a fixed length, so
+    specs, random actions, fake tensordicts and storages know the shape); the reward spec keeps
+    the base environment's shape (a bounded reward's bounds are widened to those of a sum of
+    ``1..executed_chunk_length`` rewards).
 
     Row ``h`` of the chunk is the action of the ``h``-th environment step. Rows
-    ``0..chunk_length-2`` are executed while the action is read; the last row is executed by
-    the outer step, so transforms placed after this one run once per decision, and transforms
-    placed before it (or inside the wrapped environment) run on every environment step.
+    ``0..executed_chunk_length-2`` are executed while the action is read; the last row is
+    executed by the outer step, so transforms placed after this one run once per decision, and
+    transforms placed before it (or inside the wrapped environment) run on every environment
+    step.
 
     Differences from :class:`~torchrl.envs.transforms.MultiAction`: the chunk length is fixed
     and checked; the reward is summed over the executed steps with an explicit per-sub-env
@@ -53,32 +54,32 @@ class ChunkedAction(MultiAction):
     observations are never stacked.
 
     Args:
-        chunk_length: ``H'``, the number of rows executed per decision.
+        executed_chunk_length: ``H'``, the number of rows executed per decision.
 
     Keyword Args:
         action_key: the base environment's action key (default: its only action key). The
             chunk is read from the same key.
 
     Raises:
-        ValueError: ``chunk_length < 1``; at step time, a chunk whose shape is not
-            ``[*B, chunk_length, *action_shape]``.
+        ValueError: ``executed_chunk_length < 1``; at step time, a chunk whose shape is not
+            ``[*B, executed_chunk_length, *action_shape]``.
         RuntimeError: at step time, a batched environment that is not batch-locked (the
             partial-step mask needs one).
 
     Examples:
         >>> from torchrl.envs import GymEnv
-        >>> env = TransformedEnv(GymEnv("Pusher-v5"), ChunkedAction(4))  # doctest: +SKIP
-        >>> env.action_spec.shape, env.reward_spec.shape  # doctest: +SKIP
+        >>> env = TransformedEnv(GymEnv("Pusher-v5"), ChunkedAction(4))
+        >>> env.action_spec.shape, env.reward_spec.shape
         (torch.Size([4, 7]), torch.Size([1]))
     """
 
-    def __init__(self, chunk_length: int, *, action_key: NestedKey | None = None):
-        if chunk_length < 1:
-            raise ValueError(f"chunk_length must be >= 1, got {chunk_length}.")
+    def __init__(self, executed_chunk_length: int, *, action_key: NestedKey | None = None):
+        if executed_chunk_length < 1:
+            raise ValueError(f"executed_chunk_length must be >= 1, got {executed_chunk_length}.")
         super().__init__(
             dim=1, stack_rewards=False, stack_observations=False, action_key=action_key
         )
-        self.chunk_length = chunk_length
+        self.executed_chunk_length = executed_chunk_length
         # Filled by ``_inv_call`` (the rows before the last one) and consumed by ``_step``
         # (the last row), which TorchRL calls in that order within one ``env.step``.
         self._reward_sum: dict[NestedKey, Tensor] | None = None
@@ -101,7 +102,7 @@ class ChunkedAction(MultiAction):
         batch_dims = input_spec.ndim
         leaf = action_spec[action_key].unsqueeze(batch_dims)
         shape = list(leaf.shape)
-        shape[batch_dims] = self.chunk_length
+        shape[batch_dims] = self.executed_chunk_length
         action_spec[action_key] = leaf.expand(shape)
         input_spec["full_action_spec"] = action_spec
         return input_spec
@@ -113,8 +114,8 @@ class ChunkedAction(MultiAction):
             if isinstance(leaf, Bounded):
                 low, high = leaf.space.low, leaf.space.high
                 reward_spec[key] = Bounded(
-                    low=torch.minimum(low, low * self.chunk_length),
-                    high=torch.maximum(high, high * self.chunk_length),
+                    low=torch.minimum(low, low * self.executed_chunk_length),
+                    high=torch.maximum(high, high * self.executed_chunk_length),
                     shape=leaf.shape,
                     dtype=leaf.dtype,
                     device=leaf.device,
@@ -151,13 +152,13 @@ class ChunkedAction(MultiAction):
                 f"(keys: {list(tensordict.keys(True, True))})."
             )
         step_shape = parent.full_action_spec[action_key].shape[len(batch_shape) :]
-        expected = (*batch_shape, self.chunk_length, *step_shape)
+        expected = (*batch_shape, self.executed_chunk_length, *step_shape)
         if tuple(chunk.shape) != expected:
             raise ValueError(
-                f"ChunkedAction(chunk_length={self.chunk_length}) got an action chunk of shape "
-                f"{tuple(chunk.shape)}, expected {expected} (batch shape, chunk length, action "
-                f"shape). With FlowSDEPolicy, executed_chunk_length must equal the "
-                f"environment's chunk_length."
+                f"ChunkedAction(executed_chunk_length={self.executed_chunk_length}) got an "
+                f"action chunk of shape {tuple(chunk.shape)}, expected {expected} (batch shape, "
+                f"executed chunk length, action shape). With FlowSDEPolicy, the policy's "
+                f"executed_chunk_length must equal the environment's."
             )
         rows = chunk.unbind(len(batch_shape))
 
@@ -213,11 +214,11 @@ class ChunkedAction(MultiAction):
         return next_tensordict
 
 
-def make_chunked_env(env: EnvBase, chunk_length: int) -> TransformedEnv:
-    """Make ``env`` execute a chunk of ``chunk_length`` actions per step.
+def make_chunked_env(env: EnvBase, executed_chunk_length: int) -> TransformedEnv:
+    """Make ``env`` execute a chunk of ``executed_chunk_length`` actions per step.
 
-    The returned environment's action is ``[*B, chunk_length, D]``; its reward is the sum of
-    the executed steps' rewards; ``done`` / ``terminated`` / ``truncated`` and the next
+    The returned environment's action is ``[*B, executed_chunk_length, D]``; its reward is the
+    sum of the executed steps' rewards; ``done`` / ``terminated`` / ``truncated`` and the next
     observation are those of the last executed step (the chunk stops at the first done).
     Observation transforms that must run on every inner step belong to ``env`` itself;
     transforms appended to the returned environment run once per decision. When ``env`` is
@@ -227,19 +228,19 @@ def make_chunked_env(env: EnvBase, chunk_length: int) -> TransformedEnv:
 
     Args:
         env: any batch-locked TorchRL environment (batched or not) with a single action key.
-        chunk_length: ``H'``, the number of rows executed per decision.
+        executed_chunk_length: ``H'``, the number of rows executed per decision.
 
     Examples:
         >>> from torchrl.envs import GymEnv
-        >>> env = make_chunked_env(GymEnv("Pusher-v5"), chunk_length=4)  # doctest: +SKIP
-        >>> env.rollout(3)["action"].shape  # doctest: +SKIP
+        >>> env = make_chunked_env(GymEnv("Pusher-v5"), executed_chunk_length=4)
+        >>> env.rollout(3)["action"].shape
         torch.Size([3, 4, 7])
     """
-    return TransformedEnv(env, ChunkedAction(chunk_length), auto_unwrap=True)
+    return TransformedEnv(env, ChunkedAction(executed_chunk_length), auto_unwrap=True)
 
 
-def decision_discount(gamma_step: float, chunk_length: int) -> float:
-    """The per-decision discount ``gamma_step ** chunk_length`` (see the module docstring).
+def decision_discount(gamma_step: float, executed_chunk_length: int) -> float:
+    """The per-decision discount ``gamma_step ** executed_chunk_length`` (module docstring).
 
     Examples:
         >>> round(decision_discount(0.99, 4), 6)
@@ -247,6 +248,6 @@ def decision_discount(gamma_step: float, chunk_length: int) -> float:
     """
     if not 0.0 <= gamma_step <= 1.0:
         raise ValueError(f"gamma_step must be in [0, 1], got {gamma_step}.")
-    if chunk_length < 1:
-        raise ValueError(f"chunk_length must be >= 1, got {chunk_length}.")
-    return float(gamma_step) ** chunk_length
+    if executed_chunk_length < 1:
+        raise ValueError(f"executed_chunk_length must be >= 1, got {executed_chunk_length}.")
+    return float(gamma_step) ** executed_chunk_length
