@@ -440,3 +440,99 @@ def test_moment_check_rejects_drift_without_score_correction(
     samples = _sample_sde(gaussian_velocity, 200, noise_level, 20000, drop_correction=True)
     with pytest.raises(AssertionError):
         check_gaussian_moments(samples, gaussian_velocity.mean, gaussian_velocity.std, 200)
+
+
+# ---------------------------------------------------------------------------- the sampler loop
+def test_integrate_ode_with_constant_velocity_is_the_closed_form():
+    schedule = flow.sampling_schedule(5, noise_level=0.5, shift=3.0)
+    x0 = torch.randn(4, 3, 2, dtype=torch.float64)
+    velocity = torch.randn(3, 2, dtype=torch.float64)
+    chain, means = flow.integrate(lambda x, sigma: velocity.expand_as(x), x0, schedule)
+    assert means is None and chain.shape == (4, 6, 3, 2)
+    sigmas = schedule.sigmas.to(torch.float64)
+    for k in range(6):  # x_k = x_0 + (sigma_k - 1) v
+        torch.testing.assert_close(chain[:, k], x0 + (sigmas[k] - 1.0) * velocity)
+
+
+def test_integrate_with_a_mask_is_the_affine_sde_step_at_stochastic_steps_only():
+    torch.manual_seed(0)
+    num_steps, noise_level = 4, 0.7
+    schedule = flow.sampling_schedule(num_steps, noise_level, dtype=torch.float64)
+    weight = torch.randn(2, 2, dtype=torch.float64)
+
+    def velocity(x, sigma):
+        return x @ weight + sigma[:, None, None]
+
+    x0 = torch.randn(3, 5, 2, dtype=torch.float64)
+    mask = flow.sample_sde_mask((3,), num_steps, "mixed")
+    xi = torch.randn(3, num_steps, 5, 2, dtype=torch.float64)
+    chain, means = flow.integrate(velocity, x0, schedule, mask, xi)
+    sigmas = schedule.sigmas
+    for n in range(3):
+        x = x0[n]
+        for k in range(num_steps):
+            v = velocity(x[None], sigmas[k : k + 1])[0]
+            if mask[n, k]:
+                mean, std = flow.sde_step(x, v, sigmas[k], sigmas[k + 1], noise_level)
+                x = mean + std * xi[n, k]
+            else:
+                mean = flow.ode_step(x, v, sigmas[k], sigmas[k + 1])
+                x = mean
+            torch.testing.assert_close(means[n, k], mean)
+            torch.testing.assert_close(chain[n, k + 1], x)
+    # The mask off everywhere gives the ODE chain, whatever the noise.
+    ode, _ = flow.integrate(velocity, x0, schedule)
+    no_steps, _ = flow.integrate(velocity, x0, schedule, torch.zeros_like(mask), xi)
+    assert torch.equal(ode, no_steps)
+
+
+def test_integrate_names_the_first_non_finite_step():
+    schedule = flow.sampling_schedule(4, 0.0)
+
+    def velocity(x, sigma):
+        return torch.where(sigma[:, None, None] < 0.6, torch.inf, 1.0) * torch.ones_like(x)
+
+    with pytest.raises(ValueError, match="denoising step 2 .*x_3 is not finite"):
+        flow.integrate(velocity, torch.zeros(2, 3, 1), schedule)
+
+
+def test_stochastic_steps_rescore_a_stored_chain_and_chain_log_prob_matches():
+    torch.manual_seed(1)
+    schedule = flow.sampling_schedule(4, 0.5, dtype=torch.float64)
+    context = torch.randn(6, 3, 2, dtype=torch.float64)
+
+    def velocity(x, sigma, index=None):
+        return x - (context if index is None else context[index])
+
+    mask = flow.sample_sde_mask((6,), 4, "last", num_sde_steps=2)
+    chain, means = flow.integrate(
+        velocity,
+        torch.randn(6, 3, 2, dtype=torch.float64),
+        schedule,
+        mask,
+        torch.randn(6, 4, 3, 2, dtype=torch.float64),
+    )
+    steps = flow.stochastic_steps(velocity, chain, mask, schedule, rows=2)
+    assert steps.step_index.tolist() == [2, 3] * 6
+    torch.testing.assert_close(steps.mean, means[mask][:, :2])
+    torch.testing.assert_close(steps.sample, chain[:, 1:][mask][:, :2])
+    log_prob = flow.gaussian_log_prob(steps.sample, steps.mean, steps.std)
+    dense = flow.scatter_steps(steps, log_prob, torch.Size([6, 4]))
+    torch.testing.assert_close(dense, flow.chain_log_prob(chain, means, mask, schedule.std, 2))
+    assert (dense[~mask] == 0).all() and (dense[mask] != 0).all()
+
+
+@pytest.mark.parametrize(
+    "arguments, match",
+    [
+        ({"noise_level": -0.1}, "noise_level"),
+        ({"noise_schedule": "cosine"}, "noise_schedule"),
+        ({"num_steps": 1}, "num_steps >= 2"),
+        ({"sde_mode": "last", "num_sde_steps": 8}, "num_sde_steps"),
+        ({"shift": 0.0}, "shift"),
+    ],
+)
+def test_check_sampler_names_the_bad_argument(arguments, match):
+    options = {"num_steps": 8, "noise_level": 0.5} | arguments
+    with pytest.raises(ValueError, match=match):
+        flow.check_sampler(**options)

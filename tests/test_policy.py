@@ -591,3 +591,29 @@ def test_velocity_of_the_wrong_shape():
     policy = FlowSDEPolicy(lambda x, sigma, context: x[:, :2], action_shape=ACTION_SHAPE)
     with pytest.raises(ValueError, match="velocity_network returned shape"):
         sample(policy, make_tensordict((3,)))
+
+
+def test_set_keys_renames_every_output_and_the_spec():
+    policy = FlowSDEPolicy(make_network(), action_shape=ACTION_SHAPE)
+    renamed = {
+        "action": ("rollout", "chunk"),
+        "chain": ("rollout", "chain"),
+        "sde_mask": ("rollout", "mask"),
+        "step_log_prob": ("rollout", "step_log_prob"),
+        "log_prob": "chunk_log_prob",
+    }
+    policy.set_keys(**renamed)
+    assert set(policy.out_keys) == set(renamed.values())
+    assert set(policy.spec.keys(True, True)) == set(renamed.values())
+    td = TensorDict({"observation": torch.randn(3, OBSERVATION_DIM)}, batch_size=[3])
+    with set_exploration_type(RANDOM):
+        out = policy(td)
+    for default in SAMPLING_KEYS:
+        assert default not in out.keys(True)
+    torch.testing.assert_close(policy.log_prob(out), out["rollout", "step_log_prob"])
+    with set_exploration_type(ExplorationType.DETERMINISTIC):
+        assert ("rollout", "chunk") in policy(td.clone()).keys(True)
+    policy.set_keys(chain=None)  # None restores the default
+    assert policy.tensor_keys.chain == CHAIN_KEY
+    with pytest.raises(ValueError, match="'trajectory' is not a key"):
+        policy.set_keys(trajectory="x")

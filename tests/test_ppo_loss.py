@@ -765,3 +765,60 @@ def test_self_imitation_reduction_none_is_per_decision():
     averaged = DenoisingClipPPOLoss(policy, bc_coeff=1.0)
     torch.manual_seed(1)
     torch.testing.assert_close(averaged(data)["loss_bc"], values[data["success"]].mean())
+
+
+def test_options_the_loss_cannot_honour_are_refused():
+    policy = make_policy()
+    with pytest.raises(ValueError, match="entropy_coeff"):
+        DenoisingClipPPOLoss(policy, entropy_coeff={"action": 0.1})
+    with pytest.raises(ValueError, match="samples_mc_entropy"):
+        DenoisingClipPPOLoss(policy, samples_mc_entropy=4)
+
+
+@pytest.mark.parametrize("max_importance_ratio", [1e-6, 1.02])
+def test_max_importance_ratio_caps_every_step_ratio_as_torchrl_does(max_importance_ratio):
+    policy = make_policy(num_steps=4, sde_mode="all")
+    data = collect(policy, (16,))
+    advantage = non_uniform_advantage((16,))
+    data["advantage"] = advantage
+    perturb(policy.velocity_network, scale=0.08)
+    out = DenoisingClipPPOLoss(policy, clip_epsilon=0.2, max_importance_ratio=max_importance_ratio)(
+        data
+    )
+    uncapped = DenoisingClipPPOLoss(policy, clip_epsilon=0.2)(data)["loss_objective"]
+
+    # TorchRL's cap: lift the (gradient-free) behaviour log-prob so that the ratio the
+    # surrogate is weighted by never exceeds the cap; the clip acts on the uncapped ratio.
+    _, ratio, entry_advantage = reference_entries(
+        policy, data, advantage, clip_low=0.2, clip_high=0.2
+    )
+    correction = torch.clamp(max_importance_ratio / ratio.detach(), max=1.0)
+    gain = torch.minimum(
+        ratio * correction * entry_advantage,
+        ratio.clamp(0.8, 1.2) * correction * entry_advantage,
+    )
+    torch.testing.assert_close(out["loss_objective"], -gain.mean(), atol=1e-6, rtol=1e-6)
+    assert (correction < 1).any()
+    assert (out["loss_objective"] - uncapped).abs() > 1e-4
+    assert out["max_ratio"] <= max_importance_ratio * (1 + 1e-6)
+
+
+def test_the_loss_reads_the_keys_the_policy_writes():
+    policy = make_policy()
+    policy.set_keys(
+        chain=("rollout", "chain"),
+        sde_mask=("rollout", "stochastic"),
+        step_log_prob=("rollout", "step_log_prob"),
+        log_prob=("rollout", "log_prob"),
+    )
+    data = collect(policy, (8,))
+    assert CHAIN not in data.keys(True) and ("rollout", "chain") in data.keys(True)
+    data["advantage"] = non_uniform_advantage((8,))
+    loss = DenoisingClipPPOLoss(policy)
+    assert loss.tensor_keys.chain == ("rollout", "chain")
+    assert loss.tensor_keys.step_log_prob == ("rollout", "step_log_prob")
+    assert loss.tensor_keys.sample_log_prob == ("rollout", "log_prob")
+    assert ("rollout", "stochastic") in loss.in_keys
+    out = loss(data)
+    assert out["log_prob_drift"] <= 1e-8
+    torch.testing.assert_close(out["loss_objective"], -data["advantage"].mean())

@@ -34,10 +34,9 @@ _SCHEDULE_PARAMETERS = ("num_steps", "eval_num_steps", "noise_level", "shift", "
 class FlowSDEPolicy(TensorDictModuleBase):
     """A velocity network as a TorchRL policy sampling chunks with the Flow-SDE sampler.
 
-    Under RANDOM exploration (what collectors use) it integrates ``num_steps`` Euler steps
-    from ``x_0 ~ N(0, I)``, making the steps chosen by ``sde_mode`` stochastic Flow-SDE
-    steps, and writes (``[*B]`` is the tensordict's batch shape; key names are the defaults,
-    changed with :meth:`set_keys`):
+    Under RANDOM exploration (collectors) it integrates ``num_steps`` steps from
+    ``x_0 ~ N(0, I)``, the steps chosen by ``sde_mode`` being stochastic Flow-SDE steps, and
+    writes (``[*B]`` the batch shape; keys renamed with :meth:`set_keys`):
 
     | key (``set_keys`` name) | shape | meaning |
     | --- | --- | --- |
@@ -47,17 +46,11 @@ class FlowSDEPolicy(TensorDictModuleBase):
     | ``("flow", "step_log_prob")`` (``step_log_prob``) | ``[*B, K]`` | per-step log-prob, 0 where ODE |
     | ``"action_log_prob"`` (``log_prob``) | ``[*B]`` | sum over the steps |
 
-    ``H = chunk_length`` (the rows predicted) and ``H' = executed_chunk_length`` (the rows
-    executed, default ``H``). Under DETERMINISTIC / MODE / MEAN exploration it runs the plain
-    ODE with ``eval_num_steps`` from ``x_0 = eval_noise_scale * N(0, I)`` and writes the
-    action only: with the default scale 1 it samples the model's own chunk distribution;
-    ``eval_noise_scale = 0`` decodes the noise-free chunk ``x_0 = 0``, which a policy cloned
-    from noisy demonstrations can execute much better than its samples (see
-    ``docs/results.md``). Outside any exploration context it follows ``default_interaction_type``
-    (DETERMINISTIC, as TorchRL's ``ProbabilisticActor``).
-
-    The observation context (the encoder's output, or the observation itself when there is
-    no encoder) is computed once per decision and reused for all denoising steps.
+    ``H = chunk_length`` rows are predicted, ``H' = executed_chunk_length`` executed. Under
+    DETERMINISTIC / MODE / MEAN exploration it runs the plain ODE with ``eval_num_steps`` from
+    ``x_0 = eval_noise_scale * N(0, I)`` and writes the action only. Outside any exploration
+    context it follows ``default_interaction_type`` (as TorchRL's ``ProbabilisticActor``).
+    The context (encoder output, or the observation) is computed once per decision.
 
     Implements the mixed ODE/SDE sampler of pi-RL (Chen et al., 2025, "Flow-SDE") with the
     noise schedule of Flow-GRPO (Liu et al., 2025); the per-step log-probability is that of
@@ -104,17 +97,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
 
     @dataclass
     class _AcceptedKeys:
-        """The entries the policy writes; change them with :meth:`FlowSDEPolicy.set_keys`.
-
-        Attributes:
-            action: the executed chunk ``[*B, H', D]``. Defaults to ``"action"``.
-            chain: the denoising chain ``[*B, K+1, H, D]``. Defaults to ``("flow", "chain")``.
-            sde_mask: the stochastic steps ``[*B, K]``. Defaults to ``("flow", "sde_mask")``.
-            step_log_prob: per-step log-probs ``[*B, K]``. Defaults to
-                ``("flow", "step_log_prob")``.
-            log_prob: the chunk's log-prob ``[*B]`` (TorchRL's sample log-prob). Defaults to
-                ``"action_log_prob"``.
-        """
+        """The entries the policy writes (the table above); renamed with ``set_keys``."""
 
         action: NestedKey = "action"
         chain: NestedKey = ("flow", "chain")
@@ -156,21 +139,13 @@ class FlowSDEPolicy(TensorDictModuleBase):
                 f"executed_chunk_length must be in 1..{chunk_length} (the chunk length), "
                 f"got {executed_chunk_length}."
             )
-        if noise_level < 0:
-            raise ValueError(f"noise_level must be >= 0, got {noise_level}.")
         if eval_num_steps < 1:
             raise ValueError(f"eval_num_steps must be >= 1, got {eval_num_steps}.")
         if not (math.isfinite(eval_noise_scale) and eval_noise_scale >= 0):
             raise ValueError(
                 f"eval_noise_scale must be a finite number >= 0, got {eval_noise_scale}."
             )
-        if noise_schedule not in ("sqrt", "constant"):
-            raise ValueError(
-                f"noise_schedule must be 'sqrt' or 'constant', got {noise_schedule!r}."
-            )
-        # Validates sde_mode against num_steps / num_sde_steps and shift (clear errors).
-        flow.sample_sde_mask((1,), num_steps, sde_mode, num_sde_steps)
-        flow.sigma_grid(num_steps, shift)
+        flow.check_sampler(num_steps, noise_level, sde_mode, num_sde_steps, shift, noise_schedule)
         self.velocity_network = velocity_network
         self.encoder = encoder
         self.in_keys = list(in_keys)
@@ -238,12 +213,10 @@ class FlowSDEPolicy(TensorDictModuleBase):
 
     @property
     def spec(self) -> Composite:
-        """The spec of the entries written under RANDOM exploration, for one decision.
+        """The entries written under RANDOM exploration, for one decision.
 
-        TorchRL collectors read it to pre-allocate their buffers. Without it a collector
-        probes the policy once at construction, outside any exploration context, where the
-        policy runs the deterministic ODE and writes the action only, so the collector
-        would silently drop the chain, mask and log-probs from every collected batch.
+        Collectors read it to pre-allocate their buffers; without it they would probe the
+        policy outside any exploration context and drop the chain from every batch.
         """
         dtype = flow.probability_dtype(self.network_dtype)
         parameter = next(iter(getattr(self.velocity_network, "parameters", list)()), None)
@@ -305,27 +278,6 @@ class FlowSDEPolicy(TensorDictModuleBase):
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             return self.encoder(*observations)
 
-    def _velocity(self, context: Context, dtype: torch.dtype) -> Callable[..., Tensor]:
-        """``velocity(x, sigma[, decision_index])`` for :mod:`flow`: casts and checks shapes."""
-        network_dtype = self.network_dtype
-
-        def velocity(x: Tensor, sigma: Tensor, decision_index: Tensor | None = None) -> Tensor:
-            entries = context
-            if decision_index is not None:
-                if isinstance(context, tuple):
-                    entries = tuple(c[decision_index] for c in context)
-                else:
-                    entries = context[decision_index]
-            v = self.velocity_network(x.to(network_dtype), sigma.to(network_dtype), entries)
-            if v.shape != x.shape:
-                raise ValueError(
-                    f"velocity_network returned shape {tuple(v.shape)}; expected "
-                    f"{tuple(x.shape)} ([N, H, D], the shape of x)."
-                )
-            return v.to(dtype)
-
-        return velocity
-
     # ------------------------------------------------------------------ sampling
     def _sample(
         self, context: Context, num_decisions: int, device: torch.device
@@ -344,7 +296,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
             sde_mask = torch.zeros_like(sde_mask)
         schedule = self.schedule(num_steps, dtype, device)
         chain, means = flow.integrate(
-            self._velocity(context, dtype),
+            flow.network_velocity(self.velocity_network, context, self.network_dtype, dtype),
             noise[:, 0],
             schedule,
             sde_mask,
@@ -352,11 +304,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
             sigma_dtype=self.network_dtype,
         )
         # The log-prob covers the executed rows only (all H rows by default).
-        safe_std = torch.where(sde_mask, schedule.std, 1.0)
-        step_log_prob = flow.gaussian_log_prob(
-            chain[:, 1:, :executed], means[:, :, :executed], safe_std
-        )
-        step_log_prob = torch.where(sde_mask, step_log_prob, 0.0)
+        step_log_prob = flow.chain_log_prob(chain, means, sde_mask, schedule.std, executed)
         keys = self.tensor_keys
         return {
             keys.action: chain[:, -1, :executed],
@@ -371,7 +319,10 @@ class FlowSDEPolicy(TensorDictModuleBase):
         dtype = initial_noise.dtype
         schedule = self.schedule(self.eval_num_steps, dtype, initial_noise.device)
         chain, _ = flow.integrate(
-            self._velocity(context, dtype), initial_noise, schedule, sigma_dtype=self.network_dtype
+            flow.network_velocity(self.velocity_network, context, self.network_dtype, dtype),
+            initial_noise,
+            schedule,
+            sigma_dtype=self.network_dtype,
         )
         return chain[:, -1, : self.executed_chunk_length]
 
@@ -400,15 +351,8 @@ class FlowSDEPolicy(TensorDictModuleBase):
 
     @torch.no_grad()
     def decode(self, tensordict: TensorDictBase, initial_noise: Tensor) -> Tensor:
-        """The deterministic ODE chunk (``eval_num_steps``) from a given initial noise.
-
-        Args:
-            tensordict: holds the observation(s) for a batch ``[*B]``.
-            initial_noise: ``x_0``, ``[*B, H, D]``.
-
-        Returns:
-            The executed rows of ``x_K``, ``[*B, H', D]``. Runs under ``no_grad`` (DSRL).
-        """
+        """The executed rows ``[*B, H', D]`` of the ODE chunk (``eval_num_steps``) from
+        ``x_0 = initial_noise [*B, H, D]``, for the observations of ``tensordict`` (DSRL)."""
         batch_shape = tensordict.batch_size
         expected = (*batch_shape, *self.action_shape)
         if tuple(initial_noise.shape) != expected:
@@ -425,7 +369,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
     # ------------------------------------------------------------------ learner
     def _stored(self, tensordict: TensorDictBase, key: NestedKey, trailing: tuple) -> Tensor:
         value = self._flat(tensordict, key, "written by FlowSDEPolicy under RANDOM exploration")
-        if tuple(value.shape[1:]) != trailing or value.shape[0] != max(tensordict.numel(), 1):
+        if tuple(value.shape[1:]) != trailing:
             hint = ""
             if len(trailing) == 3 and value.ndim == 4 and value.shape[-3] != trailing[0]:
                 hint = (
@@ -449,15 +393,9 @@ class FlowSDEPolicy(TensorDictModuleBase):
     ) -> StochasticSteps:
         """The Gaussian transitions of the stored stochastic steps (:func:`flow.stochastic_steps`).
 
-        One batched network call over all stochastic ``(decision, step)`` entries, with the
-        current parameters and gradient enabled (through the mean only).
-
-        Args:
-            tensordict: holds the observation(s), the chain and the stochastic-step mask with
-                batch shape ``[*B]``.
-            context_grad: let the gradient reach the encoder (default: ``no_grad``).
-            chain_key: where the chain is stored (default: ``tensor_keys.chain``).
-            sde_mask_key: where the mask is stored (default: ``tensor_keys.sde_mask``).
+        One batched network call over all stochastic entries, gradient enabled (through the
+        means). ``context_grad`` lets it reach the encoder; ``chain_key`` / ``sde_mask_key``
+        default to ``tensor_keys``.
         """
         num_steps = self.num_steps
         chain = self._stored(
@@ -467,7 +405,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         context = self.context(tensordict, grad=context_grad)
         dtype = flow.probability_dtype(self.network_dtype)
         steps = flow.stochastic_steps(
-            self._velocity(context, dtype),
+            flow.network_velocity(self.velocity_network, context, self.network_dtype, dtype),
             chain.to(dtype),
             sde_mask,
             self.schedule(num_steps, dtype, chain.device),

@@ -20,16 +20,51 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from torchrl_flowpolicy.flow.sde import NoiseSchedule, sigma_grid, step_coefficients
+from torchrl_flowpolicy.flow.sde import (
+    NoiseSchedule,
+    SDEMode,
+    gaussian_log_prob,
+    sample_sde_mask,
+    sigma_grid,
+    step_coefficients,
+)
 
 __all__ = [
+    "check_sampler",
     "SamplingSchedule",
     "sampling_schedule",
     "integrate",
+    "chain_log_prob",
+    "network_velocity",
     "StochasticSteps",
     "stochastic_steps",
     "scatter_steps",
 ]
+
+
+def check_sampler(
+    num_steps: int,
+    noise_level: float,
+    sde_mode: SDEMode = "mixed",
+    num_sde_steps: int = 4,
+    shift: float = 1.0,
+    noise_schedule: NoiseSchedule = "sqrt",
+) -> None:
+    """Raise a ``ValueError`` naming the argument when the sampler's parameters are invalid.
+
+    Examples:
+        >>> check_sampler(8, 0.5)  # valid: returns None
+        >>> check_sampler(1, 0.5, "mixed")
+        Traceback (most recent call last):
+        ...
+        ValueError: sde_mode='mixed' needs num_steps >= 2 (step 0 is never stochastic), got num_steps=1.
+    """
+    if noise_level < 0:
+        raise ValueError(f"noise_level must be >= 0, got {noise_level}.")
+    if noise_schedule not in ("sqrt", "constant"):
+        raise ValueError(f"noise_schedule must be 'sqrt' or 'constant', got {noise_schedule!r}.")
+    sample_sde_mask((1,), num_steps, sde_mode, num_sde_steps)  # sde_mode against K and n
+    sigma_grid(num_steps, shift)  # num_steps >= 1, shift > 0
 
 
 class SamplingSchedule(NamedTuple):
@@ -160,6 +195,54 @@ def integrate(
             f"network's inputs (observation scaling) and its dtype."
         )
     return chain, None if means is None else means.transpose(0, 1)
+
+
+def chain_log_prob(
+    chain: Tensor, means: Tensor, sde_mask: Tensor, std: Tensor, rows: int | None = None
+) -> Tensor:
+    """Per-step log-probs ``[N, K]`` of a sampled chain, 0 where the step was deterministic.
+
+    ``log N(x_{k+1}; mean_k, std_k^2 I)`` summed over the leading ``rows`` chunk rows (the
+    executed ones; default all) and the action dimension.
+
+    Args:
+        chain: ``[N, K + 1, H, D]``; means: ``[N, K, H, D]`` (from :func:`integrate`);
+            sde_mask: ``[N, K]``; std: ``[K]`` the stochastic steps' standard deviations.
+    """
+    rows = chain.shape[-2] if rows is None else rows
+    safe_std = torch.where(sde_mask, std, 1.0)
+    step_log_prob = gaussian_log_prob(chain[:, 1:, :rows], means[:, :, :rows], safe_std)
+    return torch.where(sde_mask, step_log_prob, 0.0)
+
+
+def network_velocity(
+    network: Callable[..., Tensor],
+    context: Tensor | tuple[Tensor, ...],
+    network_dtype: torch.dtype,
+    dtype: torch.dtype,
+) -> Callable[..., Tensor]:
+    """The callback of :func:`integrate` / :func:`stochastic_steps` for ``network(x, sigma, context)``.
+
+    Returns ``velocity(x, sigma[, decision_index])``: ``x`` and ``sigma`` are cast to
+    ``network_dtype``, the velocity back to ``dtype`` (the chain's, float32 or wider) after a
+    shape check; ``decision_index`` selects each entry's context (rescoring).
+    """
+
+    def velocity(x: Tensor, sigma: Tensor, decision_index: Tensor | None = None) -> Tensor:
+        entries = context
+        if decision_index is not None and isinstance(context, tuple):
+            entries = tuple(c[decision_index] for c in context)
+        elif decision_index is not None:
+            entries = context[decision_index]
+        v = network(x.to(network_dtype), sigma.to(network_dtype), entries)
+        if v.shape != x.shape:
+            raise ValueError(
+                f"velocity_network returned shape {tuple(v.shape)}; expected "
+                f"{tuple(x.shape)} ([N, H, D], the shape of x)."
+            )
+        return v.to(dtype)
+
+    return velocity
 
 
 class StochasticSteps(NamedTuple):

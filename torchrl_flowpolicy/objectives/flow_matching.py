@@ -14,7 +14,7 @@ from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.flow import SigmaDistribution
 from torchrl_flowpolicy.policy import FlowSDEPolicy
 
-__all__ = ["FlowMatchingLoss", "flow_matching_per_sample"]
+__all__ = ["FlowMatchingLoss", "flow_matching_per_sample", "self_imitation_error"]
 
 
 def flow_matching_per_sample(
@@ -82,6 +82,48 @@ def flow_matching_per_sample(
     velocity = policy.velocity_network(x.to(network_dtype), sigma.to(network_dtype), context)
     error = flow.flow_matching_error(velocity, action, noise, valid)
     return error.reshape(batch_shape)
+
+
+def self_imitation_error(
+    policy: FlowSDEPolicy,
+    tensordict: TensorDictBase,
+    *,
+    success_key: NestedKey = "success",
+    action_key: NestedKey = "action",
+    sigma_distribution: SigmaDistribution = "uniform",
+    context_grad: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Flow matching on the executed chunks of the decisions flagged successful.
+
+    The self-imitation term of :class:`~torchrl_flowpolicy.objectives.DenoisingClipPPOLoss`
+    (``bc_coeff``): :func:`flow_matching_per_sample` on the ``action_key`` chunks of the
+    decisions whose ``success_key`` flag (``[*B]`` or ``[*B, 1]``) is set.
+
+    Returns:
+        ``(error [S], success [*B])``: the errors of the ``S`` flagged decisions in row-major
+        order (empty, without a network call, when none is flagged) and the flags.
+    """
+    success = tensordict.get(success_key, None)
+    if success is None:
+        raise KeyError(f"bc_coeff > 0 needs the per-decision success flag {success_key!r}.")
+    batch_shape = tensordict.batch_size
+    if success.shape not in (batch_shape, (*batch_shape, 1)):
+        raise ValueError(
+            f"the success flag has shape {tuple(success.shape)}, expected "
+            f"{tuple(batch_shape)} or {(*batch_shape, 1)}."
+        )
+    success = success.reshape(batch_shape).bool()
+    if not success.any():
+        return torch.zeros(0, device=success.device), success
+    flat = tensordict.reshape(-1)[success.reshape(-1)]
+    error = flow_matching_per_sample(
+        policy,
+        flat,
+        flat.get(action_key),
+        sigma_distribution=sigma_distribution,
+        context_grad=context_grad,
+    )
+    return error, success
 
 
 class FlowMatchingLoss(LossModule):

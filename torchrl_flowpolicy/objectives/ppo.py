@@ -19,7 +19,7 @@ from torchrl.objectives.ppo import _broadcast_advantage_to_log_weight, _check_ad
 
 from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.flow import StochasticSteps
-from torchrl_flowpolicy.objectives.flow_matching import flow_matching_per_sample
+from torchrl_flowpolicy.objectives.flow_matching import self_imitation_error
 from torchrl_flowpolicy.policy import FlowSDEPolicy
 
 __all__ = ["DenoisingClipPPOLoss"]
@@ -41,19 +41,17 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     runs over the stochastic entries only: deterministic steps add neither to the objective,
     nor to its normalisation, nor to the diagnostics.
 
-    Built on ``ClipPPOLoss``'s hooks: :meth:`_log_weight` (PPO's log-prob hook) returns the
+    Built on ``ClipPPOLoss``'s hooks: :meth:`_log_weight` (PPO's log-prob hook) gives the
     per-step log-weight ``[*B, K, 1]`` (0 at deterministic steps) from one batched network
-    call over the stochastic entries, TorchRL's ``_broadcast_advantage_to_log_weight`` spreads
-    the decision's advantage over the steps, and ``_reduce_loss`` reduces with the
-    stochastic-step mask (and TorchRL's own validity masks). TorchRL's, unchanged: the critic
-    loss with value clipping (``loss_critic``), advantage normalisation (``normalize_advantage``,
-    ``advantage_norm``), ``make_value_estimator`` (GAE runs at the decision level, the
-    tensordict's batch), ``max_importance_ratio`` (caps every step's ratio),
-    ``separate_losses``, reductions, functional parameters and the clip buffers
-    (``clip_epsilon`` or ``clip_epsilon_low`` / ``clip_epsilon_high``). ``forward`` is this
-    class's own only to average the diagnostics over the stochastic entries and to add the
-    dual clip, the KL and self-imitation terms; the parent options it cannot honour are
-    refused at construction: ``delay_actor=True``, a per-head ``entropy_coeff`` mapping and
+    call; TorchRL's ``_broadcast_advantage_to_log_weight`` spreads the decision's advantage
+    over the steps; ``_reduce_loss`` reduces with the stochastic-step mask (and TorchRL's
+    validity masks). TorchRL's, unchanged: the critic loss and value clipping, advantage
+    normalisation (``normalize_advantage``, ``advantage_norm``), ``make_value_estimator``
+    (GAE at the decision level), ``max_importance_ratio`` (caps each step's ratio),
+    ``separate_losses``, reductions, functional parameters and the clip buffers.
+    ``forward`` is this class's own only to average the diagnostics over the stochastic
+    entries and to add the dual clip, KL and self-imitation terms. Refused at construction,
+    as options it cannot honour: ``delay_actor=True``, a per-head ``entropy_coeff`` mapping,
     ``samples_mc_entropy`` (the entropy is in closed form).
 
     Entropy: the bonus is off by default. The step std does not depend on the parameters, so
@@ -86,10 +84,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             ``max_importance_ratio``, ``reduction``, ``functional``, ``separate_losses``,
             ``device``, ...).
 
-    Keys (``set_keys``): TorchRL's (``advantage``, ``value_target``, ``value``, ``reward``,
-    ``done``, ``terminated``, ``action``, ``sample_log_prob`` — the per-decision log-prob)
-    plus ``step_log_prob`` (the stored per-step log-probs ``[*B, K]``), ``chain``,
-    ``sde_mask`` and ``success``. The policy's key names (:meth:`FlowSDEPolicy.set_keys`) are
+    Keys (``set_keys``): TorchRL's (``sample_log_prob`` is the per-decision log-prob) plus
+    ``step_log_prob``, ``chain``, ``sde_mask`` and ``success``; the policy's key names are
     copied at construction.
 
     Outputs: ``loss_objective``, ``loss_critic`` (with a critic), ``loss_kl`` (``kl_coeff >
@@ -118,16 +114,9 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
 
     @dataclass
     class _AcceptedKeys(ClipPPOLoss._AcceptedKeys):
-        """Tensordict keys read by the loss (TorchRL's, plus the denoising chain's).
-
-        Attributes:
-            step_log_prob: stored per-step log-probs ``[*B, K]``.
-                Defaults to ``("flow", "step_log_prob")``.
-            chain: stored chain ``[*B, K+1, H, D]``. Defaults to ``("flow", "chain")``.
-            sde_mask: stochastic steps ``[*B, K]``. Defaults to ``("flow", "sde_mask")``.
-            success: per-decision success flag for self-imitation ``[*B]`` or ``[*B, 1]``.
-                Defaults to ``"success"``.
-        """
+        """TorchRL's keys plus the chain's: ``step_log_prob`` ``[*B, K]``, ``chain``
+        ``[*B, K+1, H, D]``, ``sde_mask`` ``[*B, K]`` (defaults: the policy's) and ``success``
+        ``[*B]`` or ``[*B, 1]`` (self-imitation; default ``"success"``)."""
 
         step_log_prob: NestedKey = ("flow", "step_log_prob")
         chain: NestedKey = ("flow", "chain")
@@ -421,35 +410,17 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         return log_prob - flow.gaussian_log_prob(steps.sample, reference_mean, steps.std)
 
     def _self_imitation(self, tensordict: TensorDictBase) -> Tensor:
-        success = tensordict.get(self.tensor_keys.success, None)
-        if success is None:
-            raise KeyError(
-                f"bc_coeff > 0 needs the per-decision success flag {self.tensor_keys.success!r}."
-            )
-        batch_shape = tensordict.batch_size
-        if success.shape not in (batch_shape, (*batch_shape, 1)):
-            raise ValueError(
-                f"the success flag has shape {tuple(success.shape)}, expected "
-                f"{tuple(batch_shape)} or {(*batch_shape, 1)}."
-            )
-        success = success.reshape(batch_shape).bool()
-        if not success.any():
-            if self.reduction == "none":
-                return torch.zeros(batch_shape, device=success.device)
-            return torch.zeros((), device=success.device)
-        flat = tensordict.reshape(-1)[success.reshape(-1)]
         with self._actor_parameters():
-            error = flow_matching_per_sample(
+            error, success = self_imitation_error(
                 self.actor_network,
-                flat,
-                flat.get(self.tensor_keys.action),
+                tensordict,
+                success_key=self.tensor_keys.success,
+                action_key=self.tensor_keys.action,
                 sigma_distribution=self.sigma_distribution,
                 context_grad=self.context_grad,
             )
-        if self.reduction == "none":
-            # One value per decision, zero for the decisions not flagged successful.
-            dense = error.new_zeros(success.numel()).index_put(
-                (success.reshape(-1).nonzero().squeeze(-1),), error
-            )
-            return dense.reshape(batch_shape)
+        if self.reduction == "none":  # one value per decision, zero where not successful
+            return error.new_zeros(success.shape).masked_scatter(success, error)
+        if error.numel() == 0:
+            return error.new_zeros(())
         return error.mean() if self.reduction == "mean" else error.sum()
