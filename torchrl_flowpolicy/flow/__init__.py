@@ -37,64 +37,9 @@ integration loop, the rescoring of stored chains) and :mod:`~torchrl_flowpolicy.
 flow; flow.sigma_grid(8)``.
 """
 
-from torchrl_flowpolicy.flow.sampling import (
-    SamplingSchedule,
-    StochasticSteps,
-    chain_log_prob,
-    check_sampler,
-    integrate,
-    network_velocity,
-    sampling_schedule,
-    scatter_steps,
-    stochastic_steps,
-)
-from torchrl_flowpolicy.flow.sde import (
-    SIGMA_CLAMP,
-    NoiseSchedule,
-    SDEMode,
-    gaussian_log_prob,
-    noise_std_scale,
-    ode_step,
-    probability_dtype,
-    sample_sde_mask,
-    score,
-    sde_step,
-    sigma_grid,
-    step_coefficients,
-)
-from torchrl_flowpolicy.flow.training import (
-    SigmaDistribution,
-    flow_matching_error,
-    interpolate,
-    sample_training_sigma,
-    velocity_target,
-)
+from torchrl_flowpolicy.flow import sampling, sde, training
+from torchrl_flowpolicy.flow.sampling import *  # noqa: F403
+from torchrl_flowpolicy.flow.sde import *  # noqa: F403
+from torchrl_flowpolicy.flow.training import *  # noqa: F403
 
-__all__ = [
-    "NoiseSchedule",
-    "SDEMode",
-    "SIGMA_CLAMP",
-    "probability_dtype",
-    "sigma_grid",
-    "noise_std_scale",
-    "score",
-    "step_coefficients",
-    "ode_step",
-    "sde_step",
-    "gaussian_log_prob",
-    "sample_sde_mask",
-    "check_sampler",
-    "SamplingSchedule",
-    "sampling_schedule",
-    "integrate",
-    "chain_log_prob",
-    "network_velocity",
-    "StochasticSteps",
-    "stochastic_steps",
-    "scatter_steps",
-    "interpolate",
-    "velocity_target",
-    "SigmaDistribution",
-    "sample_training_sigma",
-    "flow_matching_error",
-]
+__all__ = [*sde.__all__, *sampling.__all__, *training.__all__]
