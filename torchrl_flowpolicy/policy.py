@@ -294,14 +294,8 @@ class FlowSDEPolicy(TensorDictModuleBase):
         if self.noise_level == 0:
             # No noise, no Gaussian step: the chain is the Euler ODE and has no density.
             sde_mask = torch.zeros_like(sde_mask)
-        schedule = self.schedule(num_steps, dtype, device)
-        chain, means = flow.integrate(
-            flow.network_velocity(self.velocity_network, context, self.network_dtype, dtype),
-            noise[:, 0],
-            schedule,
-            sde_mask,
-            noise[:, 1:],
-            sigma_dtype=self.network_dtype,
+        chain, means, schedule = self._integrate(
+            context, noise[:, 0], num_steps, sde_mask, noise[:, 1:]
         )
         # The log-prob covers the executed rows only (all H rows by default).
         step_log_prob = flow.chain_log_prob(chain, means, sde_mask, schedule.std, executed)
@@ -314,16 +308,26 @@ class FlowSDEPolicy(TensorDictModuleBase):
             keys.log_prob: step_log_prob.sum(-1),
         }
 
+    def _integrate(
+        self,
+        context: Context,
+        initial_noise: Tensor,
+        num_steps: int,
+        sde_mask: Tensor | None = None,
+        step_noise: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None, SamplingSchedule]:
+        """:func:`flow.integrate` with this policy's network, context, schedule and dtypes."""
+        network_dtype, dtype = self.network_dtype, initial_noise.dtype
+        velocity = flow.network_velocity(self.velocity_network, context, network_dtype, dtype)
+        schedule = self.schedule(num_steps, dtype, initial_noise.device)
+        chain, means = flow.integrate(
+            velocity, initial_noise, schedule, sde_mask, step_noise, sigma_dtype=network_dtype
+        )
+        return chain, means, schedule
+
     def _ode(self, context: Context, initial_noise: Tensor) -> Tensor:
         """The executed rows of the deterministic ODE chunk from ``x_0 = initial_noise``."""
-        dtype = initial_noise.dtype
-        schedule = self.schedule(self.eval_num_steps, dtype, initial_noise.device)
-        chain, _ = flow.integrate(
-            flow.network_velocity(self.velocity_network, context, self.network_dtype, dtype),
-            initial_noise,
-            schedule,
-            sigma_dtype=self.network_dtype,
-        )
+        chain, _, _ = self._integrate(context, initial_noise, self.eval_num_steps)
         return chain[:, -1, : self.executed_chunk_length]
 
     @torch.no_grad()
@@ -403,9 +407,10 @@ class FlowSDEPolicy(TensorDictModuleBase):
         )
         sde_mask = self._stored(tensordict, sde_mask_key or self.tensor_keys.sde_mask, (num_steps,))
         context = self.context(tensordict, grad=context_grad)
-        dtype = flow.probability_dtype(self.network_dtype)
+        network_dtype = self.network_dtype
+        dtype = flow.probability_dtype(network_dtype)
         steps = flow.stochastic_steps(
-            flow.network_velocity(self.velocity_network, context, self.network_dtype, dtype),
+            flow.network_velocity(self.velocity_network, context, network_dtype, dtype),
             chain.to(dtype),
             sde_mask,
             self.schedule(num_steps, dtype, chain.device),

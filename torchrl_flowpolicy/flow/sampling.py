@@ -228,19 +228,23 @@ def network_velocity(
     shape check; ``decision_index`` selects each entry's context (rescoring).
     """
 
+    cast = network_dtype != dtype  # checked once: the sampler calls this K times
+
     def velocity(x: Tensor, sigma: Tensor, decision_index: Tensor | None = None) -> Tensor:
         entries = context
         if decision_index is not None and isinstance(context, tuple):
             entries = tuple(c[decision_index] for c in context)
         elif decision_index is not None:
             entries = context[decision_index]
-        v = network(x.to(network_dtype), sigma.to(network_dtype), entries)
+        if sigma.dtype != network_dtype:
+            sigma = sigma.to(network_dtype)
+        v = network(x.to(network_dtype) if cast else x, sigma, entries)
         if v.shape != x.shape:
             raise ValueError(
                 f"velocity_network returned shape {tuple(v.shape)}; expected "
                 f"{tuple(x.shape)} ([N, H, D], the shape of x)."
             )
-        return v.to(dtype)
+        return v.to(dtype) if cast else v
 
     return velocity
 
