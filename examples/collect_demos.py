@@ -2,84 +2,66 @@
 
 The scripted ``PusherExpert`` (inverse-kinematics control of the wrist: cage the object in
 the wrist's U, then push it to the goal) runs for ``num_episodes`` episodes of
-``max_episode_steps`` steps with Gaussian noise of standard deviation ``noise_level`` added
-to its torques. The default noise, 0.7, leaves the demonstrations at about 55 % success
+``max_episode_steps`` steps with Gaussian noise of standard deviation ``action_noise``
+added to its torques. The default noise, 0.7, leaves the demonstrations at about 55 % success
 (the clean expert: about 90 %), so a policy that copies them, noise included, stays well
 below the expert. The observations, the executed (noisy) actions, the
 clean expert actions and the per-episode outcome are cached in one file,
-``{output_dir}/pusher_T{steps}_noise{noise}_n{episodes}_seed{seed}.pt``, written atomically
+``{output_dir}/pusher_T{steps}_action_noise{noise}_n{episodes}_seed{seed}.pt``, written atomically
 and readable with ``torch.load(path, weights_only=True)``; a second run with the same
 settings loads it instead of collecting again. The script prints the demonstrations' success
 rate (final horizontal object-goal distance below ``success_threshold``) and its wall time.
 
 Other scripts get the same data with
-``torchrl_flowpolicy.envs.pusher.load_or_collect_demos(num_episodes, noise_level, seed)``.
+``torchrl_flowpolicy.envs.load_or_collect_demos(num_episodes, action_noise, seed)``.
 
 Run (every option: ``--help``)::
 
     python examples/collect_demos.py
-    python examples/collect_demos.py --num-episodes 50 --noise-level 0.5
+    python examples/collect_demos.py --num_episodes 50 --action_noise 0.5
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from torchrl_flowpolicy.envs.pusher import (
-    DEFAULT_MAX_EPISODE_STEPS,
-    DEFAULT_SUCCESS_THRESHOLD,
-    load_or_collect_demos,
-)
+from torchrl_flowpolicy.envs import load_or_collect_demos
+from torchrl_flowpolicy.envs.pusher import DEFAULT_MAX_EPISODE_STEPS, DEFAULT_SUCCESS_THRESHOLD
+
+from common import option, parse_config
 
 
-def option(default, help: str):
-    """A config field: its default and one line of documentation."""
-    return field(default=default, metadata={"help": help})
-
-
-# ----------------------------------------------------------------------------- configuration
 @dataclass
-class Config:
+class CollectConfig:
+    """Demonstration settings; every field is a command-line option."""
+
     num_episodes: int = option(200, "episodes to roll out with the noisy expert")
-    noise_level: float = option(0.7, "std of the Gaussian noise added to the expert's torques")
+    action_noise: float = option(0.7, "std of the Gaussian noise added to the expert's torques")
     max_episode_steps: int = option(DEFAULT_MAX_EPISODE_STEPS, "steps per episode (time limit)")
     success_threshold: float = option(
         DEFAULT_SUCCESS_THRESHOLD, "final horizontal object-goal distance that counts as success, m"
     )
     seed: int = option(0, "seed of the episode resets and of the expert's noise")
     output_dir: str = option("outputs/demos", "cache folder of the demonstration files")
-    num_threads: int = option(1, "torch CPU threads")
+    threads: int = option(1, "torch CPU threads")
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Config):
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=type(f.default),
-            default=f.default,
-            help=f"{f.metadata['help']} (default: {f.default})",
-        )
-    return Config(**vars(parser.parse_args(argv)))
-
-
-def main(cfg: Config) -> dict:
+def main(cfg: CollectConfig) -> dict:
     print("config:", json.dumps(dataclasses.asdict(cfg)))
-    torch.set_num_threads(cfg.num_threads)
+    torch.set_num_threads(cfg.threads)
     start = time.perf_counter()
 
     # ------------------------------------------------------------------------- collect or load
     with tqdm(total=cfg.num_episodes, unit="episode", dynamic_ncols=True) as progress:
         demos, path, loaded = load_or_collect_demos(
             cfg.num_episodes,
-            cfg.noise_level,
+            cfg.action_noise,
             cfg.seed,
             cfg.max_episode_steps,
             cfg.success_threshold,
@@ -112,4 +94,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_config())
+    main(parse_config(CollectConfig, description=__doc__))

@@ -1,7 +1,22 @@
-"""What the Pusher-v5 examples share: the model, its checkpoint format and the evaluation env.
+"""What the Pusher-v5 examples share: the command line, the model, checkpoints and loggers.
 
 Kept small on purpose: every example script still reads top to bottom; this module only
-spares them from defining the same network twice.
+spares them from writing the same thing twice.
+
+**The command line.** Each script's settings are one dataclass whose fields are declared with
+:func:`option` (a default and one line of help). :func:`parse_config` turns the dataclass
+into an ``argparse`` parser: ``--name`` per field (underscores, as in the field),
+``--group.name`` for a field of a nested dataclass, ``--name`` / ``--no-name`` for booleans,
+the allowed values of a ``Literal`` type as choices, ``--name A B`` for a ``list``; a field
+without a default is a required option. ``--help`` prints every field's help text and
+default. A script that passes ``quick=`` also gets ``--quick``: its values replace
+the defaults, and options typed on the command line win over them.
+
+Why this small builder rather than ``tyro``: tyro would read the same dataclasses, but
+adds a dependency whose defaults (kebab-case flags, its own boolean and nested-option
+spelling) must be turned off to keep the flags above, and ``--quick`` (defaults that never
+override typed options) needs the same pre-parse either way. Plain ``argparse`` is what
+every reader already knows.
 """
 
 from __future__ import annotations
@@ -9,20 +24,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from dataclasses import asdict, dataclass
+import typing
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
-from torchrl.envs import TransformedEnv
 from torchrl.record.loggers import CSVLogger, WandbLogger
 
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint
-from torchrl_flowpolicy.envs.batched import BatchedGymEnv
-from torchrl_flowpolicy.envs.chunking import make_chunked_env
-from torchrl_flowpolicy.envs.pusher import PUSHER_ENV_ID, PusherTask
 from torchrl_flowpolicy.networks import (
     ActionExpertTransformer,
     ObservationEncoder,
@@ -32,17 +45,132 @@ from torchrl_flowpolicy.networks import (
 OBSERVATION_DIM = 23
 ACTION_DIM = 7
 
+Config = TypeVar("Config")
+
+
+# ----------------------------------------------------------------------------- command line
+def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING) -> Any:
+    """A config field: its default (or ``default_factory``) and the line ``--help`` prints."""
+    if not help:
+        raise ValueError("every option needs a help text.")
+    return dataclasses.field(
+        default=default, default_factory=default_factory, metadata={"help": help}
+    )
+
+
+def _add_options(
+    parser: argparse.ArgumentParser,
+    group: Any,
+    config_class: type,
+    prefix: str,
+    quick: Mapping[str, Any],
+    exclude: Collection[str],
+) -> None:
+    """Add one option per field of ``config_class`` to ``group``; one more group per nested
+    dataclass (argparse shows groups of the parser only, hence both)."""
+    hints = typing.get_type_hints(config_class)
+    for item in dataclasses.fields(config_class):
+        name, kind = f"{prefix}{item.name}", hints[item.name]
+        if name in exclude:
+            continue
+        help_text = item.metadata["help"].replace("%", "%%")
+        if dataclasses.is_dataclass(kind):
+            nested = parser.add_argument_group(f"--{name}.*", help_text)
+            _add_options(parser, nested, kind, f"{name}.", quick, exclude)
+            continue
+        required = item.default is MISSING and item.default_factory is MISSING
+        default = item.default_factory() if item.default_factory is not MISSING else item.default
+        shown = "required" if required else f"default: {default}"
+        shown += f"; --quick: {quick[name]}" if name in quick else ""
+        extra: dict[str, Any] = {"type": kind, "metavar": kind.__name__.upper()}
+        if kind is bool:
+            extra = {"action": argparse.BooleanOptionalAction}
+        elif typing.get_origin(kind) is Literal:
+            choices = typing.get_args(kind)
+            extra = {"type": type(choices[0]), "choices": choices}
+        elif typing.get_origin(kind) is list:
+            (element,) = typing.get_args(kind)
+            extra = {"type": element, "nargs": "+", "metavar": element.__name__.upper()}
+        group.add_argument(
+            f"--{name}",
+            default=argparse.SUPPRESS,
+            required=required,
+            help=f"{help_text} ({shown})",
+            **extra,
+        )
+
+
+def parse_config(
+    config_class: type[Config],
+    argv: Sequence[str] | None = None,
+    *,
+    description: str | None = None,
+    quick: Mapping[str, Any] | None = None,
+    exclude: Collection[str] = (),
+) -> Config:
+    """The config of one run: ``config_class``'s defaults, then ``--quick``, then ``argv``.
+
+    Args:
+        config_class: a dataclass whose fields (nested dataclasses too) are :func:`option`.
+        argv: the command line (default: ``sys.argv[1:]``).
+        description: what ``--help`` prints first.
+        quick: option name (``"epochs"``, ``"pretrain.train_steps"``) -> value of a short run;
+            adds ``--quick``, which applies them where the command line names no value.
+        exclude: option names left off the command line (they keep their defaults), e.g.
+            the nested settings that a script sets itself.
+    """
+    parser = argparse.ArgumentParser(
+        usage="%(prog)s [-h] "
+        + ("[--quick] " if quick is not None else "")
+        + "[--OPTION VALUE ...]",
+        description=description,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=100),
+    )
+    if quick is not None:
+        parser.add_argument(
+            "--quick",
+            action="store_true",
+            help="a short run of the whole chain (tests, smoke checks): smaller defaults, "
+            "shown as '--quick: value'; options given on the command line are kept",
+        )
+    _add_options(parser, parser, config_class, "", quick or {}, exclude)
+    typed = vars(parser.parse_args(argv))  # only the options on the command line
+    values = {**(quick if typed.pop("quick", False) else {}), **typed}
+    config = config_class(**{name: value for name, value in values.items() if "." not in name})
+    for name, value in values.items():
+        *parents, leaf = name.split(".")
+        target = config
+        for parent in parents:
+            target = getattr(target, parent)
+        setattr(target, leaf, value)
+    return config
+
+
+# ----------------------------------------------------------------------------- task and model
+def task_options(config: Any) -> dict[str, Any]:
+    """The Pusher-v5 task settings of a config, as ``make_pusher_env`` keyword arguments."""
+    return {
+        "max_episode_steps": config.max_episode_steps,
+        "success_threshold": config.success_threshold,
+        "reward": config.reward,
+    }
+
+
+def decisions_per_episode(max_episode_steps: int, executed_chunk_length: int) -> int:
+    """How many decisions cover one episode."""
+    return math.ceil(max_episode_steps / executed_chunk_length)
+
 
 @dataclass
 class ModelConfig:
     """The flow policy's architecture (saved with every checkpoint)."""
 
-    chunk_length: int = 8  # H: rows predicted per decision
-    executed_chunk_length: int = 4  # H': rows executed per decision (closed-loop pushing)
-    model_dim: int = 64  # token width of the action expert and the context
-    num_heads: int = 4  # attention heads
-    num_layers: int = 2  # decoder layers of the action expert
-    num_context_tokens: int = 4  # context tokens computed once per decision
+    chunk_length: int = option(8, "H: rows predicted per decision")
+    executed_chunk_length: int = option(4, "H': rows executed per decision (closed-loop pushing)")
+    model_dim: int = option(64, "token width of the action expert and the context")
+    num_heads: int = option(4, "attention heads")
+    num_layers: int = option(2, "decoder layers of the action expert")
+    num_context_tokens: int = option(4, "context tokens computed once per decision")
 
 
 def build_policy(
@@ -74,6 +202,7 @@ def build_policy(
     )
 
 
+# ----------------------------------------------------------------------------- checkpoints
 def save_policy(path: Path, policy: FlowSDEPolicy, model_config: ModelConfig, **extra) -> None:
     """An atomic policy checkpoint: architecture, weights (with normaliser) and ``extra``."""
     save_checkpoint(
@@ -82,7 +211,8 @@ def save_policy(path: Path, policy: FlowSDEPolicy, model_config: ModelConfig, **
 
 
 def load_policy(path: Path, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig, dict]:
-    """Rebuild a policy saved by :func:`save_policy`; returns it, its config and the state."""
+    """Rebuild a policy saved by :func:`save_policy` (or :func:`save_run` with a ``"policy"``
+    and a ``"model_config"``); returns it, its config and the whole checkpoint."""
     state = load_checkpoint(path)
     model_config = ModelConfig(**state["model_config"])
     normalizer = ObservationNormalizer(torch.zeros(OBSERVATION_DIM), torch.ones(OBSERVATION_DIM))
@@ -91,80 +221,32 @@ def load_policy(path: Path, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig,
     return policy, model_config, state
 
 
-def decisions_per_episode(max_episode_steps: int, executed_chunk_length: int) -> int:
-    """How many decisions cover one episode."""
-    return math.ceil(max_episode_steps / executed_chunk_length)
+def save_run(path: Path, trained: Mapping[str, Any], **progress: Any) -> None:
+    """An atomic run checkpoint, for ``--resume``.
 
-
-def make_env(
-    num_envs: int,
-    executed_chunk_length: int,
-    *,
-    max_episode_steps: int,
-    success_threshold: float,
-    reward: str,
-):
-    """A batch of ``num_envs`` chunked Pusher-v5 environments stepped in this process.
-
-    :class:`~torchrl_flowpolicy.envs.batched.BatchedGymEnv` steps the MuJoCo environments in
-    one loop, :class:`~torchrl_flowpolicy.envs.pusher.PusherTask` adds the success flag (and
-    the reward choice), and the chunk wrapper executes ``executed_chunk_length`` rows per
-    decision.
+    Holds ``trained[name].state_dict()`` for every entry (networks, optimisers, loss
+    modules), the ``progress`` values as given (counters, history, replay-buffer content:
+    what ``torch.load(weights_only=True)`` reads) and the torch RNG state, so that a resumed
+    run continues the random stream where it stopped.
     """
-    env = BatchedGymEnv(PUSHER_ENV_ID, num_envs, max_episode_steps=max_episode_steps)
-    task = PusherTask(success_threshold=success_threshold, reward=reward)
-    return make_chunked_env(TransformedEnv(env, task), executed_chunk_length)
+    states = {name: item.state_dict() for name, item in trained.items()}
+    save_checkpoint({**states, **progress, "rng_state": torch.get_rng_state()}, path)
 
 
-def parse_config(config_class, argv=None, description: str | None = None):
-    """Expose every (nested) dataclass field as ``--name`` / ``--model.name``."""
-    parser = argparse.ArgumentParser(description=description)
-    defaults = config_class()
+def resume_run(path: Path, trained: Mapping[str, Any]) -> dict[str, Any]:
+    """Load a :func:`save_run` checkpoint into ``trained`` and restore the torch RNG state.
 
-    def add(prefix: str, instance) -> None:
-        for item in dataclasses.fields(instance):
-            value = getattr(instance, item.name)
-            if dataclasses.is_dataclass(value):
-                add(f"{prefix}{item.name}.", value)
-                continue
-            kind = type(value)
-            if kind is bool:
-                parser.add_argument(
-                    f"--{prefix}{item.name}", action=argparse.BooleanOptionalAction, default=value
-                )
-            else:
-                parser.add_argument(f"--{prefix}{item.name}", type=kind, default=value)
-
-    add("", defaults)
-    arguments = vars(parser.parse_args(argv))
-    for name, value in arguments.items():
-        target = defaults
-        *parents, leaf = name.split(".")
-        for parent in parents:
-            target = getattr(target, parent)
-        setattr(target, leaf, value)
-    return defaults
-
-
-def load_or_pretrain(config: Any, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig, dict]:
-    """The pretrained policy at ``config.pretrained_checkpoint``, made by pretraining if missing.
-
-    ``config`` is an example's config (PPO, DSRL): its seed and task settings are passed on to
-    ``config.pretrain`` before ``examples/pretrain.py`` runs.
+    Returns:
+        The ``progress`` values that :func:`save_run` was given.
     """
-    checkpoint_path = Path(config.pretrained_checkpoint)
-    if not checkpoint_path.is_file():
-        import pretrain
-
-        config.pretrain.seed = config.seed
-        config.pretrain.output_dir = str(checkpoint_path.parent)
-        config.pretrain.max_episode_steps = config.max_episode_steps
-        config.pretrain.success_threshold = config.success_threshold
-        config.pretrain.reward = config.reward
-        pretrain.main(config.pretrain)
-    return load_policy(checkpoint_path, **sampler)
+    state = load_checkpoint(path)
+    for name, item in trained.items():
+        item.load_state_dict(state.pop(name))
+    torch.set_rng_state(state.pop("rng_state"))
+    return state
 
 
+# ----------------------------------------------------------------------------- logging
 class MetricLogger:
     """TorchRL loggers named in ``names`` ("wandb" runs offline, "csv"), behind one ``log``."""
 

@@ -3,7 +3,7 @@
 Reads the ``summary.json`` that ``examples/ppo.py`` (and ``examples/dsrl.py``) write::
 
     python examples/compare_runs.py --output docs/results/seeds.png \\
-        "seed 0=outputs/ppo_seed0/summary.json" "seed 1=outputs/ppo_seed1/summary.json"
+        --runs "seed 0=outputs/ppo_seed0/summary.json" "seed 1=outputs/ppo_seed1/summary.json"
 
 Each curve is the deterministic evaluation success against environment steps (and, with
 ``--wall_time``, against wall-clock minutes), starting from the run's BC level at step 0
@@ -14,14 +14,26 @@ dotted one.
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from common import option, parse_config  # noqa: E402
+
+
+@dataclass
+class CompareConfig:
+    """What to compare and where to draw it; every field is a command-line option."""
+
+    runs: list[str] = option(help="the runs, each as LABEL=path/to/summary.json")
+    output: str = option(help="the PNG to write")
+    title: str = option("Pusher-v5: deterministic evaluation (ODE, K = 20)", "the figure's title")
+    wall_time: bool = option(False, "also plot success against wall-clock minutes")
 
 
 def load(specification: str) -> tuple[str, dict]:
@@ -32,16 +44,9 @@ def load(specification: str) -> tuple[str, dict]:
     return label, json.loads(Path(path).read_text())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="LABEL=path/to/summary.json")
-    parser.add_argument("--output", required=True, help="the PNG to write")
-    parser.add_argument("--title", default="Pusher-v5: deterministic evaluation (ODE, K = 20)")
-    parser.add_argument("--wall_time", action="store_true", help="also plot against minutes")
-    arguments = parser.parse_args()
-
-    runs = [load(specification) for specification in arguments.runs]
-    columns = 2 if arguments.wall_time else 1
+def main(config: CompareConfig) -> None:
+    runs = [load(specification) for specification in config.runs]
+    columns = 2 if config.wall_time else 1
     figure, axes = plt.subplots(1, columns, figsize=(6 * columns, 4), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     print("| run | BC success | final success | env steps | wall time (min) |")
@@ -60,7 +65,7 @@ def main() -> None:
         if "bc_noise_free_success" in summary:
             noise_free = 100 * summary["bc_noise_free_success"]
             axes[0][0].axhline(noise_free, color=color, linestyle=":", alpha=0.6)
-        if arguments.wall_time:
+        if config.wall_time:
             axes[0][1].plot(minutes, success, "o-", color=color, label=label, markersize=3)
         print(
             f"| {label} | {100 * summary['bc_success']:.0f} % | "
@@ -68,17 +73,17 @@ def main() -> None:
             f"{summary['wall_seconds'] / 60:.1f} |"
         )
     axes[0][0].set(xlabel="environment steps", ylabel="success (%)", ylim=(-2, 102))
-    if arguments.wall_time:
+    if config.wall_time:
         axes[0][1].set(xlabel="wall time (min)", ylabel="success (%)", ylim=(-2, 102))
     for axis in axes[0]:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    figure.suptitle(arguments.title)
+    figure.suptitle(config.title)
     figure.tight_layout()
-    Path(arguments.output).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(arguments.output, dpi=120)
-    print(f"wrote {arguments.output}")
+    Path(config.output).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(config.output, dpi=120)
+    print(f"wrote {config.output}")
 
 
 if __name__ == "__main__":
-    main()
+    main(parse_config(CompareConfig, description=__doc__))

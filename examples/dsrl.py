@@ -14,11 +14,12 @@ The defaults are tuned to this policy, whose good chunks lie near ``x_0 = 0``: a
 (m = 0.3 instead of DSRL's 1.5), the actor's mean starting at ``x_0 = 0``, critics trained
 alone for the first updates; ``docs/dsrl.md`` shows the runs behind each choice.
 
-Reads top to bottom: config, seed, frozen pretrained policy, envs, noise actor and critics,
-loss, collector and replay buffer, training loop (collect, ``utd_ratio`` updates per
-decision, evaluate, log, checkpoint), final evaluation, plot, summary.
-``python examples/dsrl.py --help`` lists every option; ``--quick`` runs the whole chain in
-under a minute; ``--resume`` continues a killed run (replay buffer included).
+``main`` reads top to bottom: seed, frozen pretrained policy, BC levels, noise envs, SAC
+learner (noise actor, critics, loss, optimisers), replay buffer, resume, collector, training
+loop (collect, ``utd_ratio`` updates per decision, log, evaluate, checkpoint), final
+evaluation, plot, summary. ``python examples/dsrl.py --help`` lists every option;
+``--quick`` runs the whole chain in under a minute; ``--resume`` continues a killed run
+(replay buffer included).
 """
 
 from __future__ import annotations
@@ -30,17 +31,19 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
+from tensordict import TensorDict, TensorDictBase  # noqa: E402
 from tensordict.nn import TensorDictModule  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torchrl.collectors import Collector  # noqa: E402
 from torchrl.data import Composite, LazyTensorStorage, RandomSampler, ReplayBuffer  # noqa: E402
+from torchrl.envs import EnvBase  # noqa: E402
 from torchrl.envs.utils import ExplorationType  # noqa: E402
 from torchrl.modules import (  # noqa: E402
     MLP,
@@ -53,19 +56,22 @@ from torchrl.objectives import SACLoss, SoftUpdate  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from torchrl_flowpolicy import FlowSDEPolicy  # noqa: E402
-from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform  # noqa: E402
-from torchrl_flowpolicy.envs.chunking import decision_discount  # noqa: E402
+from torchrl_flowpolicy.envs import decision_discount, make_pusher_env  # noqa: E402
 from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
 
 import pretrain  # noqa: E402
 from common import (  # noqa: E402
     OBSERVATION_DIM,
     MetricLogger,
+    ModelConfig,
     decisions_per_episode,
-    load_or_pretrain,
-    make_env,
+    load_policy,
+    option,
     parse_config,
+    resume_run,
+    save_run,
+    task_options,
 )
 
 
@@ -73,76 +79,87 @@ from common import (  # noqa: E402
 class DSRLConfig:
     """DSRL (SAC on the noise) settings; every field is a command-line option."""
 
-    seed: int = 0  # seeds torch, the environments and the pretraining when it runs
-    output_dir: str = "outputs/dsrl"  # checkpoints, logs, plot and summary
-    pretrained_checkpoint: str = "outputs/pretrain/policy.pt"  # made by pretrain.py if missing
-    max_episode_steps: int = 150  # Pusher-v5 horizon (env steps)
-    success_threshold: float = 0.05  # final object-goal distance that counts as success, m
-    reward: str = "progress"  # Pusher reward: "progress" (potential-based) or "gymnasium"
-    num_envs: int = 16  # environments stepped in the collector's process
-    decisions_per_batch: int = 2  # decisions per environment between two rounds of updates
-    total_env_steps: int = 300_000  # environment steps of fine-tuning
-    random_env_steps: int = 5_000  # first env steps act with uniform noise (no updates before)
-    eval_num_denoising_steps: int = 20  # K of the decoding ODE (training, evaluation and BC)
+    seed: int = option(0, "seeds torch, the environments and the pretraining when it runs")
+    output_dir: str = option("outputs/dsrl", "checkpoints, logs, plot and summary")
+    pretrained_checkpoint: str = option(
+        "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
+    )
+    max_episode_steps: int = option(150, "Pusher-v5 horizon (env steps)")
+    success_threshold: float = option(0.05, "final object-goal distance that counts as success, m")
+    reward: Literal["progress", "gymnasium"] = option(
+        "progress", "Pusher reward: potential-based progress or gymnasium's own"
+    )
+    num_envs: int = option(16, "environments stepped in the collector's process")
+    decisions_per_batch: int = option(2, "decisions per environment between two rounds of updates")
+    total_env_steps: int = option(300_000, "environment steps of fine-tuning")
+    random_env_steps: int = option(
+        5_000, "first env steps act with uniform noise (no updates before)"
+    )
+    eval_num_steps: int = option(20, "K of the decoding ODE (training, evaluation and BC)")
     # DSRL noise space and SAC.
-    noise_bound: float = 0.3  # m: the noise action lies in [-m, m]^(H x D) (DSRL: 1.5)
-    utd_ratio: float = 0.25  # gradient updates per collected decision (DSRL goes up to 20)
-    batch_size: int = 256  # decisions per update
-    buffer_size: int = 0  # replay capacity in decisions (0: every decision of the run)
-    hidden_dim: int = 256  # width of the actor's and critics' LayerNorm MLPs
-    num_layers: int = 3  # hidden layers of the actor and of each critic
-    actor_learning_rate: float = 1e-4  # Adam on the noise actor
-    critic_learning_rate: float = 3e-4  # Adam on the two critics
-    alpha_learning_rate: float = 3e-4  # Adam on log(alpha), the entropy temperature
-    alpha_init: float = 0.01  # initial entropy temperature (the noise has H * D = 56 dims)
-    zero_mean_init: bool = True  # start the actor's mean at x_0 = 0 (the noise-free chunk)
-    critic_warmup_updates: int = 2_000  # first updates train the critics only (actor, alpha wait)
-    # Target entropy per noise dimension; nan: log(m) - 1, SAC's -1 of the box [-1, 1] carried
-    # to [-m, m] (must stay below log(2m), the entropy of the uniform noise over the box).
-    target_entropy_per_dim: float = float("nan")
-    gamma: float = 0.99  # per env step; the decision discount is gamma ** executed rows
-    tau: float = 0.005  # Polyak rate of the target critics
-    reward_scale: float = 10.0  # multiplies the summed chunk reward (about 0.1 per decision)
+    noise_bound: float = option(0.3, "m: the noise action lies in [-m, m]^(H x D) (DSRL: 1.5)")
+    utd_ratio: float = option(0.25, "gradient updates per collected decision (DSRL goes up to 20)")
+    batch_size: int = option(256, "decisions per update")
+    buffer_size: int = option(0, "replay capacity in decisions (0: every decision of the run)")
+    hidden_dim: int = option(256, "width of the actor's and critics' LayerNorm MLPs")
+    num_layers: int = option(3, "hidden layers of the actor and of each critic")
+    actor_learning_rate: float = option(1e-4, "Adam on the noise actor")
+    critic_learning_rate: float = option(3e-4, "Adam on the two critics")
+    alpha_learning_rate: float = option(3e-4, "Adam on log(alpha), the entropy temperature")
+    alpha_init: float = option(0.01, "initial entropy temperature (the noise has H * D = 56 dims)")
+    zero_mean_init: bool = option(True, "start the actor's mean at x_0 = 0 (the noise-free chunk)")
+    critic_warmup_updates: int = option(
+        2_000, "first updates train the critics only (actor and alpha wait)"
+    )
+    target_entropy_per_dim: float = option(
+        float("nan"),
+        "SAC target entropy per noise dimension; nan: log(m) - 1, SAC's -1 of the box "
+        "[-1, 1] carried to [-m, m] (must stay below log(2m), the uniform noise's entropy)",
+    )
+    gamma: float = option(0.99, "discount per env step; per decision: gamma ** executed rows")
+    tau: float = option(0.005, "Polyak rate of the target critics")
+    reward_scale: float = option(
+        10.0, "multiplies the summed chunk reward (about 0.1 per decision)"
+    )
     # Evaluation, logging, checkpoints.
-    eval_every_env_steps: int = 20_000  # env steps between deterministic evaluations
-    eval_episodes: int = 50  # fixed evaluation episodes
-    eval_seed: int = 10_000  # seed of the evaluation episodes (the same for BC and RL)
-    log_every_env_steps: int = 2_000  # env steps between logged training metrics
-    checkpoint_every_env_steps: int = 20_000  # env steps between checkpoints
-    loggers: str = "wandb,csv"  # TorchRL loggers ("wandb" runs offline), comma-separated
-    resume: bool = False  # continue from output_dir/checkpoint.pt
-    quick: bool = False  # a run of the whole chain in under a minute (tests, smoke checks)
-    threads: int = 1  # torch CPU threads (1 is fastest for these small networks)
-    pretrain: pretrain.PretrainConfig = field(default_factory=pretrain.PretrainConfig)
+    eval_every_env_steps: int = option(20_000, "env steps between deterministic evaluations")
+    eval_episodes: int = option(50, "fixed evaluation episodes")
+    eval_seed: int = option(10_000, "seed of the evaluation episodes (the same for BC and RL)")
+    log_every_env_steps: int = option(2_000, "env steps between logged training metrics")
+    checkpoint_every_env_steps: int = option(20_000, "env steps between checkpoints")
+    loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
+    resume: bool = option(False, "continue from output_dir/checkpoint.pt")
+    threads: int = option(1, "torch CPU threads (1 is fastest for these small networks)")
+    pretrain: pretrain.PretrainConfig = option(
+        default_factory=pretrain.PretrainConfig,
+        help="behaviour cloning, run when pretrained_checkpoint is missing (with this run's "
+        "seed and task settings; it writes pretrained_checkpoint)",
+    )
 
 
-def apply_quick(config: DSRLConfig) -> None:
-    """Shrink the budgets so that the whole chain runs in under a minute.
+# What --quick changes: the whole chain in under a minute.
+QUICK = {
+    "num_envs": 4,
+    "total_env_steps": 4 * 150 * 2,
+    "random_env_steps": 4 * 150 // 2,
+    "utd_ratio": 1.0,
+    "critic_warmup_updates": 50,
+    "batch_size": 64,
+    "hidden_dim": 64,
+    "eval_every_env_steps": 600,
+    "log_every_env_steps": 300,
+    "checkpoint_every_env_steps": 600,
+    "eval_episodes": 8,
+    "pretrain.demo_episodes": 12,
+    "pretrain.train_steps": 150,
+    "pretrain.eval_episodes": 8,
+}
 
-    Options given on the command line (values other than the defaults) are kept.
-    """
-    quick = {
-        "num_envs": 4,
-        "total_env_steps": 4 * 150 * 2,
-        "random_env_steps": 4 * 150 // 2,
-        "utd_ratio": 1.0,
-        "critic_warmup_updates": 50,
-        "batch_size": 64,
-        "hidden_dim": 64,
-        "eval_every_env_steps": 600,
-        "log_every_env_steps": 300,
-        "checkpoint_every_env_steps": 600,
-        "eval_episodes": 8,
-    }
-    quick_pretrain = {"demo_episodes": 12, "train_steps": 150, "eval_episodes": 8}
-    defaults = DSRLConfig()
-    for target, default, values in (
-        (config, defaults, quick),
-        (config.pretrain, defaults.pretrain, quick_pretrain),
-    ):
-        for name, value in values.items():
-            if getattr(target, name) == getattr(default, name):
-                setattr(target, name, value)
+
+def parse_args(argv: list[str] | None = None) -> DSRLConfig:
+    """The command line (``--help``) as a :class:`DSRLConfig`."""
+    exclude = [f"pretrain.{name}" for name in pretrain.RUN_SETTINGS]
+    return parse_config(DSRLConfig, argv, description=__doc__, quick=QUICK, exclude=exclude)
 
 
 def target_entropy_per_dim(config: DSRLConfig) -> float:
@@ -250,53 +267,61 @@ def plot_curves(history: list[dict], baselines: dict[str, dict], path: Path) -> 
     plt.close(figure)
 
 
-def main(config: DSRLConfig) -> dict:
-    if config.quick:
-        apply_quick(config)
-    torch.manual_seed(config.seed)
-    torch.set_num_threads(config.threads)
-    output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-
-    # Pretrained policy (behaviour cloning), made here when missing; frozen from here on.
-    policy, model_config, pretrained_state = load_or_pretrain(
-        config, eval_num_steps=config.eval_num_denoising_steps
-    )
-    executed = model_config.executed_chunk_length
-    task = {
-        "max_episode_steps": config.max_episode_steps,
-        "success_threshold": config.success_threshold,
-        "reward": config.reward,
-    }
-    max_decisions = decisions_per_episode(config.max_episode_steps, executed)
-    # The last decision of an episode executes only the rows left before the time limit.
-    last_decision_shortfall = max_decisions * executed - config.max_episode_steps
-
-    def noise_env(num_envs: int):
-        env = make_env(num_envs, executed, **task)
-        return env.append_transform(NoiseActionTransform(policy, noise_bound=config.noise_bound))
-
-    # Evaluation envs (fixed seeds) and two BC levels: the frozen policy's ODE from
-    # x_0 ~ N(0, I) (the protocol of every example) and from x_0 = 0 (the noise-free chunk).
-    bc_eval_env = make_env(config.eval_episodes, executed, **task)
-    bc = evaluate_policy(policy, bc_eval_env, max_decisions=max_decisions, seed=config.eval_seed)
+def evaluate_bc_levels(
+    policy: FlowSDEPolicy, config: DSRLConfig, executed_chunk_length: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The frozen policy's ODE from ``x_0 ~ N(0, I)`` (the protocol of every example) and
+    from ``x_0 = 0`` (the noise-free chunk), on the fixed evaluation seeds."""
+    max_decisions = decisions_per_episode(config.max_episode_steps, executed_chunk_length)
+    env = make_pusher_env(config.eval_episodes, executed_chunk_length, **task_options(config))
+    bc = evaluate_policy(policy, env, max_decisions=max_decisions, seed=config.eval_seed)
     policy.eval_noise_scale = 0.0
-    bc_noise_free = evaluate_policy(
-        policy, bc_eval_env, max_decisions=max_decisions, seed=config.eval_seed
-    )
+    bc_noise_free = evaluate_policy(policy, env, max_decisions=max_decisions, seed=config.eval_seed)
     policy.eval_noise_scale = 1.0
-    bc_eval_env.close()
+    env.close()
     print(
         f"BC: success {bc['success_rate']:.1%}, return {bc['mean_return']:.2f}; "
         f"noise-free (x_0 = 0): success {bc_noise_free['success_rate']:.1%}, "
         f"return {bc_noise_free['mean_return']:.2f}"
     )
-    eval_env = noise_env(config.eval_episodes)
-    train_env = noise_env(config.num_envs)
+    return bc, bc_noise_free
 
-    # Noise actor, two critics, SAC loss (automatic temperature), optimisers, target updates.
-    noise_spec = train_env.full_action_spec_unbatched
+
+def make_noise_env(
+    policy: FlowSDEPolicy, config: DSRLConfig, num_envs: int, executed_chunk_length: int
+) -> EnvBase:
+    """``num_envs`` chunked Pusher-v5 envs whose action is the frozen policy's noise."""
+    env = make_pusher_env(num_envs, executed_chunk_length, **task_options(config))
+    return env.append_transform(NoiseActionTransform(policy, noise_bound=config.noise_bound))
+
+
+@dataclass
+class Learner:
+    """SAC on the noise: the loss (actor, two critics, temperature), its target updates and
+    one Adam per part; :meth:`trained` is what a run checkpoint holds."""
+
+    loss_module: SACLoss
+    target_updater: SoftUpdate
+    actor_optimizer: torch.optim.Optimizer
+    critic_optimizer: torch.optim.Optimizer
+    alpha_optimizer: torch.optim.Optimizer
+
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        return (self.actor_optimizer, self.critic_optimizer, self.alpha_optimizer)
+
+    def trained(self) -> dict[str, Any]:
+        return {
+            "loss_module": self.loss_module,
+            "actor_optimizer": self.actor_optimizer,
+            "critic_optimizer": self.critic_optimizer,
+            "alpha_optimizer": self.alpha_optimizer,
+        }
+
+
+def make_learner(
+    policy: FlowSDEPolicy, noise_spec: Composite, config: DSRLConfig, executed_chunk_length: int
+) -> tuple[ProbabilisticActor, Learner]:
+    """The noise actor and its SAC learner (automatic temperature, decision discount)."""
     actor = make_actor(policy, noise_spec, config)
     critic = make_critic(policy, config)
     loss_module = SACLoss(
@@ -308,7 +333,7 @@ def main(config: DSRLConfig) -> dict:
         action_spec=noise_spec,
         target_entropy=target_entropy_per_dim(config) * policy.action_shape.numel(),
     )
-    loss_module.make_value_estimator(gamma=decision_discount(config.gamma, executed))
+    loss_module.make_value_estimator(gamma=decision_discount(config.gamma, executed_chunk_length))
     target_updater = SoftUpdate(loss_module, tau=config.tau)
     actor_optimizer = torch.optim.Adam(
         loss_module.actor_network_params.values(True, True), lr=config.actor_learning_rate
@@ -317,42 +342,161 @@ def main(config: DSRLConfig) -> dict:
         loss_module.qvalue_network_params.values(True, True), lr=config.critic_learning_rate
     )
     alpha_optimizer = torch.optim.Adam([loss_module.log_alpha], lr=config.alpha_learning_rate)
-    optimizers = (actor_optimizer, critic_optimizer, alpha_optimizer)
-
-    # Replay buffer: by default it holds every decision of the run.
-    decisions_per_batch = config.num_envs * config.decisions_per_batch
-    steps_per_batch = decisions_per_batch * executed  # an upper bound (short last decisions)
-    buffer_size = config.buffer_size or (config.total_env_steps // executed + decisions_per_batch)
-    replay_buffer = ReplayBuffer(
-        storage=LazyTensorStorage(buffer_size),
-        sampler=RandomSampler(),
-        batch_size=config.batch_size,
+    learner = Learner(
+        loss_module, target_updater, actor_optimizer, critic_optimizer, alpha_optimizer
     )
+    return actor, learner
 
-    # Resume: networks, optimisers, buffer, counters, history and RNG state.
-    iteration, env_steps, updates, history = 0, 0, 0, []
-    update_credit, wall_offset = 0.0, 0.0
-    run_checkpoint = output_dir / "checkpoint.pt"
-    if config.resume and run_checkpoint.is_file():
-        state = load_checkpoint(run_checkpoint)
-        loss_module.load_state_dict(state["loss_module"])
-        for optimizer, optimizer_state in zip(optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(optimizer_state)
-        stored = state["replay_buffer"]
-        replay_buffer.extend(TensorDict(stored, batch_size=[state["buffer_length"]]))
-        iteration, env_steps, updates = state["iteration"], state["env_steps"], state["updates"]
-        update_credit, wall_offset = state["update_credit"], state["wall_seconds"]
-        history = json.loads(state["history"])
-        torch.set_rng_state(state["rng_state"])
-        print(f"resumed from iteration {iteration} ({env_steps} env steps)")
 
-    # Collector: RANDOM exploration (noise sampled from the actor); uniform noise at first.
-    random_decisions = max(config.random_env_steps // executed - len(replay_buffer), 0)
+@dataclass
+class Progress:
+    """The counters and evaluation history of a run (saved in its checkpoint)."""
+
+    iteration: int = 0
+    env_steps: int = 0
+    updates: int = 0
+    update_credit: float = 0.0  # updates owed: utd_ratio per collected decision
+    wall_seconds: float = 0.0  # training wall time at the last checkpoint
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class LogWindow:
+    """Training metrics and timings gathered between two logged rows."""
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    collect_seconds: float = 0.0
+    update_seconds: float = 0.0
+    env_steps: int = 0
+    updates: int = 0
+
+    def add(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(value)
+
+    def row(self, updates: int) -> dict[str, float]:
+        """The means, the throughput and the update count, with ``loss_*`` as ``loss/*``."""
+        row = {name: sum(values) / len(values) for name, values in self.metrics.items()}
+        row["perf/env_steps_per_second"] = self.env_steps / max(self.collect_seconds, 1e-9)
+        if self.updates:
+            row["perf/updates_per_second"] = self.updates / max(self.update_seconds, 1e-9)
+        row["updates"] = updates
+        return {name.replace("loss_", "loss/"): value for name, value in row.items()}
+
+
+def dsrl_iteration(
+    batch: TensorDictBase,
+    learner: Learner,
+    replay_buffer: ReplayBuffer,
+    run: Progress,
+    window: LogWindow,
+    config: DSRLConfig,
+    executed_chunk_length: int,
+) -> None:
+    """Count and record a collected batch, store it, then make the updates it pays for.
+
+    ``utd_ratio`` updates per collected decision (the fraction carried over in
+    ``run.update_credit``), once the buffer holds the uniform-noise warm-up.
+    """
+    executed = executed_chunk_length
+    max_decisions = decisions_per_episode(config.max_episode_steps, executed)
+    # The last decision of an episode executes only the rows left before the time limit.
+    last_decision_shortfall = max_decisions * executed - config.max_episode_steps
+    done = batch["next", "done"].squeeze(-1)
+    new_env_steps = batch.numel() * executed - int(done.sum()) * last_decision_shortfall
+    run.iteration += 1
+    run.env_steps += new_env_steps
+    window.env_steps += new_env_steps
+    if done.any():
+        window.add(
+            "train/episode_success",
+            batch["next", "success"].squeeze(-1)[done].float().mean().item(),
+        )
+    window.add("train/chunk_reward", batch["next", "reward"].mean().item())
+    window.add("train/noise_abs", batch["action"].abs().mean().item())
+    window.add("train/chunk_abs", batch[("next", *DECODED_ACTION_KEY)].abs().mean().item())
+    batch["next", "reward"] = batch["next", "reward"] * config.reward_scale
+    # The decoded chunks are logged above; the learner never needs them.
+    decoded = DECODED_ACTION_KEY[0]
+    replay_buffer.extend(batch.exclude(decoded, ("next", decoded)).reshape(-1))
+
+    update_start = time.perf_counter()
+    if len(replay_buffer) >= max(config.random_env_steps // executed, config.batch_size):
+        run.update_credit += config.utd_ratio * batch.numel()
+        while run.update_credit >= 1.0:
+            run.update_credit -= 1.0
+            sac_update(learner, replay_buffer.sample(), run, window, config)
+    window.update_seconds += time.perf_counter() - update_start
+
+
+def sac_update(
+    learner: Learner,
+    minibatch: TensorDictBase,
+    run: Progress,
+    window: LogWindow,
+    config: DSRLConfig,
+) -> None:
+    """One gradient step of SAC (of the critics only during ``critic_warmup_updates``)."""
+    losses = learner.loss_module(minibatch)
+    if run.updates < config.critic_warmup_updates:
+        # The critics learn first: the actor would follow an untrained Q.
+        loss, stepped = losses["loss_qvalue"], (learner.critic_optimizer,)
+    else:
+        loss = losses["loss_actor"] + losses["loss_qvalue"] + losses["loss_alpha"]
+        stepped = learner.optimizers()
+    for optimizer in learner.optimizers():
+        optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    for optimizer in stepped:
+        optimizer.step()
+    learner.target_updater.step()
+    run.updates += 1
+    window.updates += 1
+    for name in ("loss_actor", "loss_qvalue", "loss_alpha", "alpha", "entropy"):
+        window.add(name, losses[name].item())
+
+
+@dataclass
+class Evaluator:
+    """Deterministic evaluation of the noise actor (its mean noise, decoded by the frozen
+    ODE) on the fixed seeds: a row of the run's history, logged."""
+
+    actor: ProbabilisticActor
+    env: EnvBase
+    max_decisions: int
+    seed: int
+    log: Any
+
+    def __call__(self, run: Progress, wall_seconds: float) -> dict[str, float]:
+        evaluation = evaluate_policy(
+            self.actor, self.env, max_decisions=self.max_decisions, seed=self.seed
+        )
+        row = {"env_steps": run.env_steps, "iteration": run.iteration, "updates": run.updates}
+        run.history.append({**row, "wall_seconds": wall_seconds, **evaluation})
+        metrics = {f"eval/{name}": evaluation[name] for name in ("success_rate", "mean_return")}
+        self.log(metrics, run.env_steps)
+        return evaluation
+
+
+def make_collector(
+    actor: ProbabilisticActor,
+    train_env: EnvBase,
+    config: DSRLConfig,
+    executed_chunk_length: int,
+    buffered: int,
+    run: Progress,
+) -> Collector:
+    """RANDOM exploration (noise sampled from the actor), uniform noise for the first
+    ``random_env_steps`` (less what the buffer already holds, ``buffered`` decisions).
+
+    The collector resets its env when it is built, so the env is seeded first.
+    """
+    decisions_per_batch = config.num_envs * config.decisions_per_batch
+    steps_per_batch = decisions_per_batch * executed_chunk_length  # an upper bound
+    random_decisions = max(config.random_env_steps // executed_chunk_length - buffered, 0)
     random_decisions = -(-random_decisions // decisions_per_batch) * decisions_per_batch
-    remaining_batches = -(-max(config.total_env_steps - env_steps, 0) // steps_per_batch)
-    # The collector resets its env when it is built: seed the env first.
-    train_env.set_seed(config.seed + 1000 * iteration)
-    collector = Collector(
+    remaining_batches = -(-max(config.total_env_steps - run.env_steps, 0) // steps_per_batch)
+    train_env.set_seed(config.seed + 1000 * run.iteration)
+    return Collector(
         train_env,
         actor,
         frames_per_batch=decisions_per_batch,
@@ -361,139 +505,64 @@ def main(config: DSRLConfig) -> dict:
         exploration_type=ExplorationType.RANDOM,
         auto_register_policy_transforms=False,  # the actor is not recurrent
     )
-    log = MetricLogger(config.loggers, f"dsrl_seed{config.seed}", output_dir, config).log
 
-    training_start = time.perf_counter()
 
-    def wall_seconds() -> float:
-        return wall_offset + time.perf_counter() - training_start
+def save_dsrl_run(
+    path: Path,
+    learner: Learner,
+    replay_buffer: ReplayBuffer,
+    run: Progress,
+    model_config: ModelConfig,
+) -> None:
+    """The run checkpoint ``--resume`` reads: learner, stored decisions, counters."""
+    save_run(
+        path,
+        learner.trained(),
+        # The stored decisions only (not the empty capacity), as plain tensors.
+        replay_buffer=replay_buffer[: len(replay_buffer)].to_dict(),
+        buffer_length=len(replay_buffer),
+        **{**dataclasses.asdict(run), "history": json.dumps(run.history)},
+        model_config=dataclasses.asdict(model_config),
+    )
 
-    def checkpoint() -> None:
-        save_checkpoint(
-            {
-                "loss_module": loss_module.state_dict(),
-                "optimizers": [optimizer.state_dict() for optimizer in optimizers],
-                # The stored decisions only (not the empty capacity), as plain tensors.
-                "replay_buffer": replay_buffer[: len(replay_buffer)].to_dict(),
-                "buffer_length": len(replay_buffer),
-                "iteration": iteration,
-                "env_steps": env_steps,
-                "updates": updates,
-                "update_credit": update_credit,
-                "wall_seconds": wall_seconds(),
-                "history": json.dumps(history),
-                "rng_state": torch.get_rng_state(),
-                "model_config": dataclasses.asdict(model_config),
-            },
-            run_checkpoint,
-        )
 
-    def evaluate() -> dict[str, float]:
-        # Deterministic: the actor's mean noise, decoded by the frozen ODE (K = 20).
-        evaluation = evaluate_policy(
-            actor, eval_env, max_decisions=max_decisions, seed=config.eval_seed
-        )
-        row = {"env_steps": env_steps, "iteration": iteration, "updates": updates}
-        history.append({**row, "wall_seconds": wall_seconds(), **evaluation})
-        log(
-            {
-                "eval/success_rate": evaluation["success_rate"],
-                "eval/mean_return": evaluation["mean_return"],
-            },
-            env_steps,
-        )
-        progress.set_postfix(success=f"{evaluation['success_rate']:.0%}")
-        return evaluation
+def resume_dsrl_run(path: Path, learner: Learner, replay_buffer: ReplayBuffer) -> Progress:
+    """Load a :func:`save_dsrl_run` checkpoint (RNG state included); returns the counters."""
+    saved = resume_run(path, learner.trained())
+    stored, length = saved.pop("replay_buffer"), saved.pop("buffer_length")
+    replay_buffer.extend(TensorDict(stored, batch_size=[length]))
+    del saved["model_config"]
+    return Progress(**{**saved, "history": json.loads(saved["history"])})
 
-    # Training loop (after evaluating the actor's starting point).
-    next_eval = (env_steps // config.eval_every_env_steps + 1) * config.eval_every_env_steps
-    next_log = (env_steps // config.log_every_env_steps + 1) * config.log_every_env_steps
-    next_checkpoint = (
-        env_steps // config.checkpoint_every_env_steps + 1
-    ) * config.checkpoint_every_env_steps
-    metrics: dict[str, list[float]] = {}
-    collect_seconds = update_seconds = 0.0
-    batch_env_steps = batch_updates = 0
-    progress = tqdm(total=config.total_env_steps, initial=env_steps, desc="DSRL env steps")
-    if not history:
-        evaluate()
-    collect_start = time.perf_counter()
-    for batch in collector:
-        collect_seconds += time.perf_counter() - collect_start
-        iteration += 1
-        done = batch["next", "done"].squeeze(-1)
-        new_env_steps = batch.numel() * executed - int(done.sum()) * last_decision_shortfall
-        env_steps += new_env_steps
-        batch_env_steps += new_env_steps
-        if done.any():
-            success = batch["next", "success"].squeeze(-1)[done].float().mean().item()
-            metrics.setdefault("train/episode_success", []).append(success)
-        metrics.setdefault("train/chunk_reward", []).append(batch["next", "reward"].mean().item())
-        metrics.setdefault("train/noise_abs", []).append(batch["action"].abs().mean().item())
-        metrics.setdefault("train/chunk_abs", []).append(
-            batch[("next", *DECODED_ACTION_KEY)].abs().mean().item()
-        )
-        batch["next", "reward"] = batch["next", "reward"] * config.reward_scale
-        # The decoded chunks are logged above; the learner never needs them.
-        replay_buffer.extend(
-            batch.exclude(DECODED_ACTION_KEY[0], ("next", DECODED_ACTION_KEY[0])).reshape(-1)
-        )
 
-        # utd_ratio updates per collected decision, once the uniform-noise warm-up is over.
-        update_start = time.perf_counter()
-        if len(replay_buffer) >= max(config.random_env_steps // executed, config.batch_size):
-            update_credit += config.utd_ratio * batch.numel()
-            while update_credit >= 1.0:
-                update_credit -= 1.0
-                losses = loss_module(replay_buffer.sample())
-                if updates < config.critic_warmup_updates:
-                    # The critics learn first: the actor would follow an untrained Q.
-                    loss, stepped = losses["loss_qvalue"], (critic_optimizer,)
-                else:
-                    loss = losses["loss_actor"] + losses["loss_qvalue"] + losses["loss_alpha"]
-                    stepped = optimizers
-                for optimizer in optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                for optimizer in stepped:
-                    optimizer.step()
-                target_updater.step()
-                updates += 1
-                batch_updates += 1
-                for name in ("loss_actor", "loss_qvalue", "loss_alpha", "alpha", "entropy"):
-                    metrics.setdefault(name, []).append(losses[name].item())
-        update_seconds += time.perf_counter() - update_start
+def make_replay_buffer(config: DSRLConfig, executed_chunk_length: int) -> ReplayBuffer:
+    """Uniform sampling of ``batch_size`` decisions; by default it holds the whole run."""
+    decisions_per_batch = config.num_envs * config.decisions_per_batch
+    buffer_size = config.buffer_size or (
+        config.total_env_steps // executed_chunk_length + decisions_per_batch
+    )
+    return ReplayBuffer(
+        storage=LazyTensorStorage(buffer_size),
+        sampler=RandomSampler(),
+        batch_size=config.batch_size,
+    )
 
-        if env_steps >= next_log:
-            next_log += config.log_every_env_steps
-            row = {name: sum(values) / len(values) for name, values in metrics.items()}
-            row["perf/env_steps_per_second"] = batch_env_steps / max(collect_seconds, 1e-9)
-            if batch_updates:
-                row["perf/updates_per_second"] = batch_updates / max(update_seconds, 1e-9)
-            row["updates"] = updates
-            log({name.replace("loss_", "loss/"): value for name, value in row.items()}, env_steps)
-            metrics.clear()
-            collect_seconds = update_seconds = 0.0
-            batch_env_steps = batch_updates = 0
-        if env_steps >= next_eval:
-            next_eval += config.eval_every_env_steps
-            evaluate()
-        if env_steps >= next_checkpoint:
-            next_checkpoint += config.checkpoint_every_env_steps
-            checkpoint()
-        progress.update(new_env_steps)
-        collect_start = time.perf_counter()
-    progress.close()
-    collector.shutdown()
 
-    # Final evaluation, checkpoint, plot and summary.
-    if not history or history[-1]["env_steps"] != env_steps:
-        evaluate()
-    final = history[-1]
-    checkpoint()
-    eval_env.close()
-    baselines = {"BC (x_0 ~ N(0, I))": bc, "BC (x_0 = 0)": bc_noise_free}
-    plot_curves(history, baselines, output_dir / "learning_curve.png")
+def next_multiple(value: int, every: int) -> int:
+    """The first multiple of ``every`` above ``value``."""
+    return (value // every + 1) * every
+
+
+def write_summary(
+    config: DSRLConfig,
+    bc_levels: dict[str, dict[str, float]],
+    run: Progress,
+    pretrained_state: dict[str, Any],
+    start: float,
+) -> dict[str, Any]:
+    """``summary.json``: BC levels, the final evaluation (the history's last row), counters."""
+    bc, bc_noise_free = bc_levels.values()
+    final = run.history[-1]
     summary = {
         "seed": config.seed,
         "bc_success": bc["success_rate"],
@@ -502,24 +571,105 @@ def main(config: DSRLConfig) -> dict:
         "bc_noise_free_success": bc_noise_free["success_rate"],
         "bc_noise_free_return": bc_noise_free["mean_return"],
         "rl_return": final["mean_return"],
-        "env_steps": env_steps,
-        "iterations": iteration,
-        "updates": updates,
+        "env_steps": run.env_steps,
+        "iterations": run.iteration,
+        "updates": run.updates,
         "eval_episodes": config.eval_episodes,
-        "training_wall_seconds": wall_seconds(),
+        "training_wall_seconds": run.wall_seconds,
         "wall_seconds": time.perf_counter() - start,
-        "history": history,
+        "history": run.history,
         "config": dataclasses.asdict(config),
         "pretrained": json.loads(pretrained_state.get("summary", "{}")),
     }
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (Path(config.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(config: DSRLConfig) -> dict:
+    torch.manual_seed(config.seed)
+    torch.set_num_threads(config.threads)
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    # Pretrained policy (behaviour cloning), made first when missing; frozen from here on.
+    pretrained = Path(config.pretrained_checkpoint)
+    if not pretrained.is_file():
+        pretrain.main(pretrain.config_for_run(config))
+    policy, model_config, pretrained_state = load_policy(
+        pretrained, eval_num_steps=config.eval_num_steps
+    )
+    executed = model_config.executed_chunk_length
+
+    # Two BC levels; then the envs whose action is the noise (evaluation: fixed seeds).
+    bc, bc_noise_free = evaluate_bc_levels(policy, config, executed)
+    eval_env = make_noise_env(policy, config, config.eval_episodes, executed)
+    train_env = make_noise_env(policy, config, config.num_envs, executed)
+
+    # Noise actor and SAC learner; a replay buffer that by default holds the whole run.
+    actor, learner = make_learner(policy, train_env.full_action_spec_unbatched, config, executed)
+    replay_buffer = make_replay_buffer(config, executed)
+
+    # Resume: networks, optimisers, buffer, counters, history and RNG state.
+    run, run_checkpoint = Progress(), output_dir / "checkpoint.pt"
+    if config.resume and run_checkpoint.is_file():
+        run = resume_dsrl_run(run_checkpoint, learner, replay_buffer)
+        print(f"resumed from iteration {run.iteration} ({run.env_steps} env steps)")
+
+    # Collector, logger, evaluation.
+    collector = make_collector(actor, train_env, config, executed, len(replay_buffer), run)
+    log = MetricLogger(config.loggers, f"dsrl_seed{config.seed}", output_dir, config).log
+    max_decisions = decisions_per_episode(config.max_episode_steps, executed)
+    evaluate = Evaluator(actor, eval_env, max_decisions, config.eval_seed, log)
+
+    # Training loop (after evaluating the actor's starting point).
+    training_start = time.perf_counter() - run.wall_seconds  # a resumed run goes on counting
+    next_eval = next_multiple(run.env_steps, config.eval_every_env_steps)
+    next_log = next_multiple(run.env_steps, config.log_every_env_steps)
+    next_checkpoint = next_multiple(run.env_steps, config.checkpoint_every_env_steps)
+    window = LogWindow()
+    progress = tqdm(total=config.total_env_steps, initial=run.env_steps, desc="DSRL env steps")
+    if not run.history:
+        evaluate(run, time.perf_counter() - training_start)
+    collect_start = time.perf_counter()
+    for batch in collector:
+        window.collect_seconds += time.perf_counter() - collect_start
+        env_steps_before = run.env_steps
+        dsrl_iteration(batch, learner, replay_buffer, run, window, config, executed)
+        if run.env_steps >= next_log:
+            next_log += config.log_every_env_steps
+            log(window.row(run.updates), run.env_steps)
+            window = LogWindow()
+        if run.env_steps >= next_eval:
+            next_eval += config.eval_every_env_steps
+            evaluation = evaluate(run, time.perf_counter() - training_start)
+            progress.set_postfix(success=f"{evaluation['success_rate']:.0%}")
+        if run.env_steps >= next_checkpoint:
+            next_checkpoint += config.checkpoint_every_env_steps
+            run.wall_seconds = time.perf_counter() - training_start
+            save_dsrl_run(run_checkpoint, learner, replay_buffer, run, model_config)
+        progress.update(run.env_steps - env_steps_before)
+        collect_start = time.perf_counter()
+    progress.close()
+    collector.shutdown()
+
+    # Final evaluation, checkpoint, plot and summary.
+    if not run.history or run.history[-1]["env_steps"] != run.env_steps:
+        evaluate(run, time.perf_counter() - training_start)
+    run.wall_seconds = time.perf_counter() - training_start
+    save_dsrl_run(run_checkpoint, learner, replay_buffer, run, model_config)
+    eval_env.close()
+    bc_levels = {"BC (x_0 ~ N(0, I))": bc, "BC (x_0 = 0)": bc_noise_free}
+    plot_curves(run.history, bc_levels, output_dir / "learning_curve.png")
+    summary = write_summary(config, bc_levels, run, pretrained_state, start)
+    final = run.history[-1]
     print(
         f"BC success {bc['success_rate']:.1%} -> DSRL success {final['success_rate']:.1%} "
-        f"after {env_steps} env steps, {updates} updates "
+        f"after {run.env_steps} env steps, {run.updates} updates "
         f"({summary['wall_seconds'] / 60:.1f} min)"
     )
     return summary
 
 
 if __name__ == "__main__":
-    main(parse_config(DSRLConfig, description=__doc__))
+    main(parse_args())

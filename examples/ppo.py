@@ -1,14 +1,14 @@
 """PPO fine-tuning of a pretrained flow policy on Pusher-v5: the library's main job.
 
-Pipeline: scripted-expert demonstrations -> flow-matching behaviour cloning (made by
-``examples/pretrain.py`` if its checkpoint is missing) -> PPO with the Flow-SDE sampler
-(K = 8, a = 0.5, mixed ODE/SDE) and ``DenoisingClipPPOLoss`` -> deterministic evaluation at
-K = 20 on fixed seeds -> learning-curve PNG and JSON summary.
+Pipeline: scripted-expert demonstrations -> flow-matching behaviour cloning
+(``examples/pretrain.py``, run first when its checkpoint is missing) -> PPO with the Flow-SDE
+sampler (K = 8, a = 0.5, mixed ODE/SDE) and ``DenoisingClipPPOLoss`` -> deterministic
+evaluation at K = 20 on fixed seeds -> learning-curve PNG and JSON summary.
 
-Reads top to bottom: config, seed, pretrained policy, env + collector, critic + loss,
-training loop (collect, GAE, epochs of minibatch updates, evaluate, log, checkpoint),
-final evaluation, plot, summary. ``python examples/ppo.py --help`` lists every option;
-``--quick`` runs the whole chain in under two minutes; ``--resume`` continues a killed run.
+``main`` reads top to bottom: seed, pretrained policy, evaluation env and BC level, learner
+(critic, loss, optimisers), resume, collector, training loop (one PPO iteration per batch,
+evaluate, log, checkpoint), final evaluation, plot, summary. ``--quick`` runs the whole
+chain in about a minute; ``--resume`` continues a killed run.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import copy
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import matplotlib
 
@@ -34,8 +35,8 @@ from torchrl.envs.utils import ExplorationType  # noqa: E402
 from torchrl.objectives import ValueEstimators  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from torchrl_flowpolicy.envs.chunking import decision_discount  # noqa: E402
+from torchrl_flowpolicy import FlowSDEPolicy  # noqa: E402
+from torchrl_flowpolicy.envs import decision_discount, make_pusher_env  # noqa: E402
 from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
 
@@ -43,10 +44,14 @@ import pretrain  # noqa: E402
 from common import (  # noqa: E402
     OBSERVATION_DIM,
     MetricLogger,
+    ModelConfig,
     decisions_per_episode,
-    load_or_pretrain,
-    make_env,
+    load_policy,
+    option,
     parse_config,
+    resume_run,
+    save_run,
+    task_options,
 )
 
 
@@ -54,63 +59,90 @@ from common import (  # noqa: E402
 class PPOConfig:
     """PPO fine-tuning settings; every field is a command-line option."""
 
-    seed: int = 0  # seeds torch, the environments and the pretraining when it runs
-    output_dir: str = "outputs/ppo"  # checkpoints, logs, plot and summary
-    pretrained_checkpoint: str = "outputs/pretrain/policy.pt"  # made by pretrain.py if missing
-    max_episode_steps: int = 150  # Pusher-v5 horizon (env steps)
-    success_threshold: float = 0.05  # final object-goal distance that counts as success, m
-    reward: str = "progress"  # Pusher reward: "progress" (potential-based) or "gymnasium"
-    num_envs: int = 16  # environments stepped in the collector's process
-    episodes_per_batch: int = 1  # episodes per environment per PPO iteration
-    total_env_steps: int = 400_000  # environment steps of fine-tuning
+    seed: int = option(0, "seeds torch, the environments and the pretraining when it runs")
+    output_dir: str = option("outputs/ppo", "checkpoints, logs, plot and summary")
+    pretrained_checkpoint: str = option(
+        "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
+    )
+    max_episode_steps: int = option(150, "Pusher-v5 horizon (env steps)")
+    success_threshold: float = option(0.05, "final object-goal distance that counts as success, m")
+    reward: Literal["progress", "gymnasium"] = option(
+        "progress", "Pusher reward: potential-based progress or gymnasium's own"
+    )
+    num_envs: int = option(16, "environments stepped in the collector's process")
+    episodes_per_batch: int = option(1, "episodes per environment per PPO iteration")
+    total_env_steps: int = option(400_000, "environment steps of fine-tuning")
     # Flow-SDE sampler (rollouts) and the evaluation ODE.
-    noise_level: float = 0.5  # a: exploration noise of the stochastic step
-    num_denoising_steps: int = 8  # K for rollouts and the learner
-    eval_num_denoising_steps: int = 20  # K of the deterministic evaluation
-    sde_mode: str = "mixed"  # "mixed" (one random stochastic step), "last", "all"
-    num_sde_steps: int = 4  # stochastic steps for sde_mode="last"
+    noise_level: float = option(0.5, "a: exploration noise of the Flow-SDE step")
+    num_steps: int = option(8, "K: denoising steps of rollouts and of the learner")
+    eval_num_steps: int = option(20, "K of the deterministic evaluation ODE")
+    sde_mode: Literal["mixed", "last", "all"] = option(
+        "mixed", "stochastic steps: one random step (mixed), the last num_sde_steps, all"
+    )
+    num_sde_steps: int = option(4, "stochastic steps for sde_mode=last")
     # PPO.
-    epochs: int = 4  # passes over each batch
-    minibatch_size: int = 304  # decisions per minibatch
-    actor_learning_rate: float = 3e-5  # Adam on the flow policy
-    critic_learning_rate: float = 1e-3  # Adam on the value network
-    clip_epsilon_low: float = 0.2  # ratio clip below 1
-    clip_epsilon_high: float = 0.28  # ratio clip above 1 (clip-higher)
-    kl_coeff: float = 0.0  # KL to the pretrained policy (0: off)
-    bc_coeff: float = 0.1  # self-imitation: flow matching on successful episodes (0: off)
-    gamma: float = 0.99  # per env step; the decision discount is gamma ** executed rows
-    gae_lambda: float = 0.95  # GAE lambda over decisions
-    reward_scale: float = 0.1  # multiplies the summed chunk reward
-    max_grad_norm: float = 1.0  # gradient clipping
-    critic_warmup_iterations: int = 3  # iterations training only the critic at the start
+    epochs: int = option(4, "passes over each batch")
+    minibatch_size: int = option(304, "decisions per minibatch")
+    actor_learning_rate: float = option(3e-5, "Adam on the flow policy")
+    critic_learning_rate: float = option(1e-3, "Adam on the value network")
+    clip_epsilon_low: float = option(0.2, "ratio clip below 1")
+    clip_epsilon_high: float = option(0.28, "ratio clip above 1 (clip-higher)")
+    kl_coeff: float = option(0.0, "KL to the pretrained policy (0: off)")
+    bc_coeff: float = option(0.1, "self-imitation: flow matching on successful episodes (0: off)")
+    gamma: float = option(0.99, "discount per env step; per decision: gamma ** executed rows")
+    gae_lambda: float = option(0.95, "GAE lambda over decisions")
+    reward_scale: float = option(0.1, "multiplies the summed chunk reward")
+    max_grad_norm: float = option(1.0, "gradient clipping")
+    critic_warmup_iterations: int = option(3, "first iterations train only the critic")
     # Evaluation, logging, checkpoints.
-    eval_every: int = 20  # iterations between deterministic evaluations
-    eval_episodes: int = 50  # fixed evaluation episodes
-    eval_seed: int = 10_000  # seed of the evaluation episodes (the same for BC and RL)
-    checkpoint_every: int = 20  # iterations between checkpoints
-    loggers: str = "wandb,csv"  # TorchRL loggers ("wandb" runs offline), comma-separated
-    resume: bool = False  # continue from output_dir/checkpoint.pt
-    quick: bool = False  # a two-minute run of the whole chain (tests, smoke checks)
-    threads: int = 1  # torch CPU threads (1 is fastest for these small networks)
-    pretrain: pretrain.PretrainConfig = field(default_factory=pretrain.PretrainConfig)
+    eval_every: int = option(20, "iterations between deterministic evaluations")
+    eval_episodes: int = option(50, "fixed evaluation episodes")
+    eval_seed: int = option(10_000, "seed of the evaluation episodes (the same for BC and RL)")
+    checkpoint_every: int = option(20, "iterations between checkpoints")
+    loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
+    resume: bool = option(False, "continue from output_dir/checkpoint.pt")
+    threads: int = option(1, "torch CPU threads (1 is fastest for these small networks)")
+    pretrain: pretrain.PretrainConfig = option(
+        default_factory=pretrain.PretrainConfig,
+        help="behaviour cloning, run when pretrained_checkpoint is missing (with this run's "
+        "seed and task settings; it writes pretrained_checkpoint)",
+    )
 
 
-def apply_quick(config: PPOConfig) -> None:
-    """Shrink every budget so that the whole chain runs in under two minutes."""
-    config.num_envs = 4
-    config.total_env_steps = 4 * 150 * 4
-    config.epochs = 2
-    config.minibatch_size = 76
-    config.eval_every = 2
-    config.checkpoint_every = 2
-    config.eval_episodes = 8
-    config.critic_warmup_iterations = 1
-    config.pretrain.demo_episodes = 12
-    config.pretrain.train_steps = 150
-    config.pretrain.eval_episodes = 8
+# What --quick changes: the whole chain in about a minute.
+QUICK = {
+    "num_envs": 4,
+    "total_env_steps": 4 * 150 * 4,
+    "epochs": 2,
+    "minibatch_size": 76,
+    "eval_every": 2,
+    "checkpoint_every": 2,
+    "eval_episodes": 8,
+    "critic_warmup_iterations": 1,
+    "pretrain.demo_episodes": 12,
+    "pretrain.train_steps": 150,
+    "pretrain.eval_episodes": 8,
+}
 
 
-def make_critic(policy) -> TensorDictModule:
+def parse_args(argv: list[str] | None = None) -> PPOConfig:
+    """The command line (``--help``) as a :class:`PPOConfig`."""
+    exclude = [f"pretrain.{name}" for name in pretrain.RUN_SETTINGS]
+    return parse_config(PPOConfig, argv, description=__doc__, quick=QUICK, exclude=exclude)
+
+
+def sampler_options(config: PPOConfig) -> dict[str, Any]:
+    """The flow policy's sampler settings (rollouts, learner, evaluation)."""
+    return {
+        "num_steps": config.num_steps,
+        "eval_num_steps": config.eval_num_steps,
+        "noise_level": config.noise_level,
+        "sde_mode": config.sde_mode,
+        "num_sde_steps": config.num_sde_steps,
+    }
+
+
+def make_critic(policy: FlowSDEPolicy) -> TensorDictModule:
     """Value network on the observation, normalised with the policy's statistics."""
     normalizer = copy.deepcopy(policy.encoder[0])
     network = nn.Sequential(
@@ -122,6 +154,71 @@ def make_critic(policy) -> TensorDictModule:
         nn.Linear(256, 1),
     )
     return TensorDictModule(network, in_keys=["observation"], out_keys=["state_value"])
+
+
+@dataclass
+class Learner:
+    """What PPO trains, and what a run checkpoint holds (:meth:`trained`)."""
+
+    policy: FlowSDEPolicy
+    critic: TensorDictModule
+    loss_module: DenoisingClipPPOLoss
+    actor_optimizer: torch.optim.Optimizer
+    critic_optimizer: torch.optim.Optimizer
+
+    def trained(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "critic": self.critic,
+            "actor_optimizer": self.actor_optimizer,
+            "critic_optimizer": self.critic_optimizer,
+        }
+
+
+def make_learner(policy: FlowSDEPolicy, config: PPOConfig, executed_chunk_length: int) -> Learner:
+    """Critic, ``DenoisingClipPPOLoss`` with GAE over decisions, one Adam for each network."""
+    critic = make_critic(policy)
+    loss_module = DenoisingClipPPOLoss(
+        policy,
+        critic,
+        clip_epsilon=(config.clip_epsilon_low, config.clip_epsilon_high),
+        kl_coeff=config.kl_coeff,
+        bc_coeff=config.bc_coeff,
+        normalize_advantage=True,
+        loss_critic_type="l2",
+    )
+    loss_module.make_value_estimator(
+        ValueEstimators.GAE,
+        gamma=decision_discount(config.gamma, executed_chunk_length),
+        lmbda=config.gae_lambda,
+    )
+    actor_optimizer = torch.optim.Adam(policy.parameters(), lr=config.actor_learning_rate)
+    critic_optimizer = torch.optim.Adam(critic.parameters(), lr=config.critic_learning_rate)
+    return Learner(policy, critic, loss_module, actor_optimizer, critic_optimizer)
+
+
+def make_collector(
+    policy: FlowSDEPolicy,
+    config: PPOConfig,
+    executed_chunk_length: int,
+    decisions_per_batch: int,
+    num_batches: int,
+    seed: int,
+) -> Collector:
+    """``num_batches`` batches of ``decisions_per_batch`` decisions on ``num_envs`` envs.
+
+    RANDOM exploration: the Flow-SDE sampler with K = ``num_steps``. The collector resets its
+    env when it is built, so the env is seeded first.
+    """
+    train_env = make_pusher_env(config.num_envs, executed_chunk_length, **task_options(config))
+    train_env.set_seed(seed)
+    return Collector(
+        train_env,
+        policy,
+        frames_per_batch=decisions_per_batch,
+        total_frames=num_batches * decisions_per_batch,
+        exploration_type=ExplorationType.RANDOM,
+    )
 
 
 def episode_success_flags(batch: TensorDictBase) -> torch.Tensor:
@@ -137,6 +234,117 @@ def episode_success_flags(batch: TensorDictBase) -> torch.Tensor:
         carry = torch.where(done[:, step], success[:, step], carry)
         flags[:, step] = carry
     return flags
+
+
+def ppo_iteration(
+    learner: Learner,
+    batch: TensorDictBase,
+    replay_buffer: ReplayBuffer,
+    config: PPOConfig,
+    train_actor: bool,
+) -> dict[str, float]:
+    """Scale rewards, flag successes, GAE, then ``epochs`` passes of minibatch updates.
+
+    The critic is always trained, the actor only with ``train_actor``. Returns the loss
+    entries averaged over the minibatches and the batch's training statistics.
+    """
+    policy, critic, loss_module = learner.policy, learner.critic, learner.loss_module
+    batch["next", "reward"] = batch["next", "reward"] * config.reward_scale
+    if config.bc_coeff > 0:
+        batch["success"] = episode_success_flags(batch)
+    with torch.no_grad():
+        loss_module.value_estimator(batch)
+    replay_buffer.empty()
+    replay_buffer.extend(batch.reshape(-1))
+    metrics: dict[str, list[float]] = {}
+    fresh_drift = None
+    for _ in range(config.epochs):
+        for minibatch in replay_buffer:
+            losses = loss_module(minibatch)
+            if fresh_drift is None:  # before any update: the rollout/learner mismatch alarm
+                fresh_drift = losses["log_prob_drift"].item()
+            actor_loss = losses["loss_objective"]
+            for name in ("loss_kl", "loss_bc"):
+                if name in losses.keys():
+                    actor_loss = actor_loss + losses[name]
+            learner.critic_optimizer.zero_grad(set_to_none=True)
+            learner.actor_optimizer.zero_grad(set_to_none=True)
+            (losses["loss_critic"] + (actor_loss if train_actor else 0.0)).backward()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), config.max_grad_norm)
+            learner.critic_optimizer.step()
+            if train_actor:
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+                learner.actor_optimizer.step()
+            for name, value in losses.items():
+                metrics.setdefault(name, []).append(float(value.detach()))
+
+    done = batch["next", "done"].squeeze(-1)
+    train_success = batch["next", "success"].squeeze(-1)[done].float()
+    row = {name: sum(values) / len(values) for name, values in metrics.items()}
+    row["train/episode_success"] = train_success.mean().item() if done.any() else 0.0
+    row["train/chunk_reward"] = batch["next", "reward"].mean().item()
+    row["log_prob_drift_before_update"] = fresh_drift
+    return row
+
+
+def save_ppo_run(
+    path: Path,
+    learner: Learner,
+    model_config: ModelConfig,
+    iteration: int,
+    env_steps: int,
+    history: list[dict],
+) -> None:
+    """The run checkpoint ``--resume`` reads (``examples/evaluate.py`` reads its policy)."""
+    save_run(
+        path,
+        learner.trained(),
+        iteration=iteration,
+        env_steps=env_steps,
+        history=json.dumps(history),
+        model_config=dataclasses.asdict(model_config),
+    )
+
+
+def evaluation_record(
+    evaluation: dict[str, float], env_steps: int, iteration: int, start: float
+) -> dict[str, Any]:
+    """One row of the evaluation history (``wall_seconds`` since ``start``)."""
+    wall_seconds = time.perf_counter() - start
+    return {
+        "env_steps": env_steps,
+        "iteration": iteration,
+        "wall_seconds": wall_seconds,
+        **evaluation,
+    }
+
+
+def write_summary(
+    config: PPOConfig,
+    bc: dict[str, float],
+    final: dict[str, float],
+    history: list[dict],
+    pretrained_state: dict[str, Any],
+    start: float,
+) -> dict[str, Any]:
+    """``summary.json``: BC and final levels, the evaluation history (whose last row is the
+    final one), this run's config and the pretraining summary."""
+    summary = {
+        "seed": config.seed,
+        "bc_success": bc["success_rate"],
+        "rl_success": final["success_rate"],
+        "bc_return": bc["mean_return"],
+        "rl_return": final["mean_return"],
+        "env_steps": history[-1]["env_steps"],
+        "iterations": history[-1]["iteration"],
+        "eval_episodes": config.eval_episodes,
+        "wall_seconds": time.perf_counter() - start,
+        "history": history,
+        "config": dataclasses.asdict(config),
+        "pretrained": json.loads(pretrained_state.get("summary", "{}")),
+    }
+    (Path(config.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def plot_curves(history: list[dict], bc_success: float, bc_return: float, path: Path) -> None:
@@ -159,85 +367,43 @@ def plot_curves(history: list[dict], bc_success: float, bc_return: float, path: 
 
 
 def main(config: PPOConfig) -> dict:
-    if config.quick:
-        apply_quick(config)
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    # Pretrained policy (behaviour cloning), made here when missing.
-    sampler = {
-        "num_steps": config.num_denoising_steps,
-        "eval_num_steps": config.eval_num_denoising_steps,
-        "noise_level": config.noise_level,
-        "sde_mode": config.sde_mode,
-        "num_sde_steps": config.num_sde_steps,
-    }
-    policy, model_config, pretrained_state = load_or_pretrain(config, **sampler)
+    # Pretrained policy (behaviour cloning), made first when missing.
+    pretrained = Path(config.pretrained_checkpoint)
+    if not pretrained.is_file():
+        pretrain.main(pretrain.config_for_run(config))
+    policy, model_config, pretrained_state = load_policy(pretrained, **sampler_options(config))
     executed = model_config.executed_chunk_length
-    task = {
-        "max_episode_steps": config.max_episode_steps,
-        "success_threshold": config.success_threshold,
-        "reward": config.reward,
-    }
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 
     # Evaluation env (fixed seeds) and the BC level.
-    eval_env = make_env(config.eval_episodes, executed, **task)
+    eval_env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
     bc = evaluate_policy(policy, eval_env, max_decisions=max_decisions, seed=config.eval_seed)
     print(f"BC: success {bc['success_rate']:.1%}, return {bc['mean_return']:.1f}")
 
-    # Critic, loss (GAE at the decision level), optimisers.
-    critic = make_critic(policy)
-    loss_module = DenoisingClipPPOLoss(
-        policy,
-        critic,
-        clip_epsilon=(config.clip_epsilon_low, config.clip_epsilon_high),
-        kl_coeff=config.kl_coeff,
-        bc_coeff=config.bc_coeff,
-        normalize_advantage=True,
-        loss_critic_type="l2",
-    )
-    loss_module.make_value_estimator(
-        ValueEstimators.GAE,
-        gamma=decision_discount(config.gamma, executed),
-        lmbda=config.gae_lambda,
-    )
-    actor_optimizer = torch.optim.Adam(policy.parameters(), lr=config.actor_learning_rate)
-    critic_optimizer = torch.optim.Adam(critic.parameters(), lr=config.critic_learning_rate)
-
-    # Resume: weights, optimisers, counters, history and RNG state.
+    # Critic, loss, optimisers; resumed with the counters, history and RNG state if asked.
+    learner = make_learner(policy, config, executed)
     iteration, env_steps, history = 0, 0, []
     run_checkpoint = output_dir / "checkpoint.pt"
     if config.resume and run_checkpoint.is_file():
-        state = load_checkpoint(run_checkpoint)
-        policy.load_state_dict(state["policy"])
-        critic.load_state_dict(state["critic"])
-        actor_optimizer.load_state_dict(state["actor_optimizer"])
-        critic_optimizer.load_state_dict(state["critic_optimizer"])
-        iteration, env_steps = state["iteration"], state["env_steps"]
-        history = json.loads(state["history"])
-        torch.set_rng_state(state["rng_state"])
+        saved = resume_run(run_checkpoint, learner.trained())
+        iteration, env_steps = saved["iteration"], saved["env_steps"]
+        history = json.loads(saved["history"])
         print(f"resumed from iteration {iteration} ({env_steps} env steps)")
 
-    # Collector: RANDOM exploration, i.e. the Flow-SDE sampler with K = 8.
+    # Collector (a batch: episodes_per_batch whole episodes per env), minibatch sampler, logger.
     decisions_per_batch = config.num_envs * config.episodes_per_batch * max_decisions
-    steps_per_decision_batch = (
-        config.num_envs * config.episodes_per_batch * config.max_episode_steps
-    )
-    remaining_iterations = max((config.total_env_steps - env_steps) // steps_per_decision_batch, 0)
+    steps_per_batch = config.num_envs * config.episodes_per_batch * config.max_episode_steps
+    remaining_iterations = max((config.total_env_steps - env_steps) // steps_per_batch, 0)
     last_iteration = iteration + remaining_iterations
-    # The collector resets its env when it is built: seed the env first.
-    train_env = make_env(config.num_envs, executed, **task)
-    train_env.set_seed(config.seed + 1000 * iteration)
-    collector = Collector(
-        train_env,
-        policy,
-        frames_per_batch=decisions_per_batch,
-        total_frames=remaining_iterations * decisions_per_batch,
-        exploration_type=ExplorationType.RANDOM,
+    seed = config.seed + 1000 * iteration
+    collector = make_collector(
+        policy, config, executed, decisions_per_batch, remaining_iterations, seed
     )
     replay_buffer = ReplayBuffer(
         storage=LazyTensorStorage(decisions_per_batch),
@@ -246,121 +412,38 @@ def main(config: PPOConfig) -> dict:
     )
     log = MetricLogger(config.loggers, f"ppo_seed{config.seed}", output_dir, config).log
 
-    def checkpoint() -> None:
-        save_checkpoint(
-            {
-                "policy": policy.state_dict(),
-                "critic": critic.state_dict(),
-                "actor_optimizer": actor_optimizer.state_dict(),
-                "critic_optimizer": critic_optimizer.state_dict(),
-                "iteration": iteration,
-                "env_steps": env_steps,
-                "history": json.dumps(history),
-                "rng_state": torch.get_rng_state(),
-                "model_config": dataclasses.asdict(model_config),
-            },
-            run_checkpoint,
-        )
-
-    # Training loop.
+    # Training loop: one PPO iteration per batch, evaluation, logging, checkpoints.
     progress = tqdm(total=config.total_env_steps, initial=env_steps, desc="PPO env steps")
     for batch in collector:
         iteration += 1
-        batch_env_steps = steps_per_decision_batch
-        env_steps += batch_env_steps
-        batch["next", "reward"] = batch["next", "reward"] * config.reward_scale
-        if config.bc_coeff > 0:
-            batch["success"] = episode_success_flags(batch)
-        with torch.no_grad():
-            loss_module.value_estimator(batch)
-        replay_buffer.empty()
-        replay_buffer.extend(batch.reshape(-1))
+        env_steps += steps_per_batch
         train_actor = iteration > config.critic_warmup_iterations
-        metrics: dict[str, list[float]] = {}
-        fresh_drift = None
-        for _ in range(config.epochs):
-            for minibatch in replay_buffer:
-                losses = loss_module(minibatch)
-                if fresh_drift is None:  # before any update: the rollout/learner mismatch alarm
-                    fresh_drift = losses["log_prob_drift"].item()
-                actor_loss = losses["loss_objective"]
-                for name in ("loss_kl", "loss_bc"):
-                    if name in losses.keys():
-                        actor_loss = actor_loss + losses[name]
-                critic_optimizer.zero_grad(set_to_none=True)
-                actor_optimizer.zero_grad(set_to_none=True)
-                (losses["loss_critic"] + (actor_loss if train_actor else 0.0)).backward()
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), config.max_grad_norm)
-                critic_optimizer.step()
-                if train_actor:
-                    torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
-                    actor_optimizer.step()
-                for name, value in losses.items():
-                    metrics.setdefault(name, []).append(float(value.detach()))
+        row = ppo_iteration(learner, batch, replay_buffer, config, train_actor)
         collector.update_policy_weights_()
-
-        done = batch["next", "done"].squeeze(-1)
-        train_success = batch["next", "success"].squeeze(-1)[done].float()
-        row = {name: sum(values) / len(values) for name, values in metrics.items()}
-        row.update(
-            {
-                "train/episode_success": train_success.mean().item() if done.any() else 0.0,
-                "train/chunk_reward": batch["next", "reward"].mean().item(),
-                "log_prob_drift_before_update": fresh_drift,
-                "iteration": iteration,
-            }
-        )
+        row["iteration"] = iteration
         if iteration % config.eval_every == 0 or iteration == last_iteration:
             evaluation = evaluate_policy(
                 policy, eval_env, max_decisions=max_decisions, seed=config.eval_seed
             )
-            history.append(
-                {
-                    "env_steps": env_steps,
-                    "iteration": iteration,
-                    "wall_seconds": time.perf_counter() - start,
-                    **evaluation,
-                }
-            )
+            history.append(evaluation_record(evaluation, env_steps, iteration, start))
             row["eval/success_rate"] = evaluation["success_rate"]
             row["eval/mean_return"] = evaluation["mean_return"]
             progress.set_postfix(success=f"{evaluation['success_rate']:.0%}")
         log({name.replace("loss_", "loss/"): value for name, value in row.items()}, env_steps)
         if iteration % config.checkpoint_every == 0:
-            checkpoint()
-        progress.update(batch_env_steps)
+            save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history)
+        progress.update(steps_per_batch)
     progress.close()
     collector.shutdown()
-    checkpoint()
+    save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history)
 
-    # Final evaluation, plot and summary.
+    # Final evaluation (a history row unless the last iteration had one), plot, summary.
     final = evaluate_policy(policy, eval_env, max_decisions=max_decisions, seed=config.eval_seed)
     eval_env.close()
     if not history or history[-1]["env_steps"] != env_steps:
-        history.append(
-            {
-                "env_steps": env_steps,
-                "iteration": iteration,
-                "wall_seconds": time.perf_counter() - start,
-                **final,
-            }
-        )
+        history.append(evaluation_record(final, env_steps, iteration, start))
     plot_curves(history, bc["success_rate"], bc["mean_return"], output_dir / "learning_curve.png")
-    summary = {
-        "seed": config.seed,
-        "bc_success": bc["success_rate"],
-        "rl_success": final["success_rate"],
-        "bc_return": bc["mean_return"],
-        "rl_return": final["mean_return"],
-        "env_steps": env_steps,
-        "iterations": iteration,
-        "eval_episodes": config.eval_episodes,
-        "wall_seconds": time.perf_counter() - start,
-        "history": history,
-        "config": dataclasses.asdict(config),
-        "pretrained": json.loads(pretrained_state.get("summary", "{}")),
-    }
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary = write_summary(config, bc, final, history, pretrained_state, start)
     print(
         f"BC success {bc['success_rate']:.1%} -> RL success {final['success_rate']:.1%} "
         f"after {env_steps} env steps ({summary['wall_seconds'] / 60:.1f} min)"
@@ -369,4 +452,4 @@ def main(config: PPOConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_config(PPOConfig, description=__doc__))
+    main(parse_args())

@@ -2,7 +2,9 @@
 
 Reads top to bottom: config, seed, demonstrations, model, loss, training loop, evaluation
 (deterministic ODE at K = 20 and at the RL step count K = 8: the parity check before RL),
-checkpoint. Run ``python examples/pretrain.py --help`` for the options.
+checkpoint. Run ``python examples/pretrain.py --help`` for the options. The fine-tuning
+examples run :func:`main` with :func:`config_for_run` when their pretrained checkpoint is
+missing.
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
+from tensordict import TensorDictBase
 from tqdm import tqdm
 
+from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.data import make_chunk_dataset
-from torchrl_flowpolicy.envs.pusher import load_or_collect_demos
+from torchrl_flowpolicy.envs import load_or_collect_demos, make_pusher_env
 from torchrl_flowpolicy.evaluation import evaluate_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.objectives import FlowMatchingLoss
@@ -26,9 +31,10 @@ from common import (
     ModelConfig,
     build_policy,
     decisions_per_episode,
-    make_env,
+    option,
     parse_config,
     save_policy,
+    task_options,
 )
 
 
@@ -36,63 +42,57 @@ from common import (
 class PretrainConfig:
     """Behaviour-cloning settings; every field is a command-line option."""
 
-    seed: int = 0  # seeds torch (initialisation, minibatches, flow-matching noise)
-    output_dir: str = "outputs/pretrain"  # where the checkpoint and summary go
-    demo_dir: str = "outputs/demos"  # demonstration cache (made by the scripted expert)
-    demo_episodes: int = 200  # scripted-expert episodes to clone
-    demo_noise_level: float = 0.7  # Gaussian action noise on the expert (imperfect demos)
-    demo_seed: int = 0  # seed of the demonstration episodes
-    max_episode_steps: int = 150  # Pusher-v5 horizon (env steps)
-    success_threshold: float = 0.05  # final object-goal distance that counts as success, m
-    reward: str = "progress"  # Pusher reward: "progress" (potential-based) or "gymnasium"
-    train_steps: int = 3000  # optimiser steps
-    batch_size: int = 256  # decisions per minibatch
-    learning_rate: float = 3e-4  # AdamW learning rate
-    weight_decay: float = 1e-4  # AdamW weight decay
-    sigma_distribution: str = "beta"  # flow-matching noise-level distribution
-    eval_episodes: int = 50  # fixed evaluation episodes (one batched rollout)
-    eval_seed: int = 10_000  # seed of the evaluation episodes
-    threads: int = 1  # torch CPU threads (1 is fastest for these small networks)
-    model: ModelConfig = field(default_factory=ModelConfig)  # the architecture
-
-
-def main(config: PretrainConfig) -> dict:
-    torch.manual_seed(config.seed)
-    torch.set_num_threads(config.threads)
-    output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-
-    # Demonstrations: cached on disk, collected by the scripted expert when missing.
-    with tqdm(total=config.demo_episodes, desc="demonstrations") as demo_progress:
-        demos, demo_file, cached = load_or_collect_demos(
-            num_episodes=config.demo_episodes,
-            noise_level=config.demo_noise_level,
-            seed=config.demo_seed,
-            max_episode_steps=config.max_episode_steps,
-            success_threshold=config.success_threshold,
-            directory=config.demo_dir,
-            progress=demo_progress.update,
-        )
-    print(f"demonstrations {'loaded from' if cached else 'written to'} {demo_file}")
-    dataset = make_chunk_dataset(
-        demos["observation"], demos["action"], demos["episode"], config.model.chunk_length
+    seed: int = option(0, "seeds torch (initialisation, minibatches, flow-matching noise)")
+    output_dir: str = option("outputs/pretrain", "where the checkpoint and summary go")
+    demo_dir: str = option("outputs/demos", "demonstration cache (made by the scripted expert)")
+    demo_episodes: int = option(200, "scripted-expert episodes to clone")
+    demo_action_noise: float = option(
+        0.7, "std of the Gaussian noise on the expert's torques (imperfect demos)"
     )
-    print(
-        f"demonstrations: {config.demo_episodes} episodes, {dataset.shape[0]} steps, "
-        f"expert success {demos['success'].float().mean().item():.1%}"
+    demo_seed: int = option(0, "seed of the demonstration episodes")
+    max_episode_steps: int = option(150, "Pusher-v5 horizon (env steps)")
+    success_threshold: float = option(0.05, "final object-goal distance that counts as success, m")
+    reward: Literal["progress", "gymnasium"] = option(
+        "progress", "Pusher reward: potential-based progress or gymnasium's own"
+    )
+    train_steps: int = option(3000, "optimiser steps")
+    batch_size: int = option(256, "decisions per minibatch")
+    learning_rate: float = option(3e-4, "AdamW learning rate")
+    weight_decay: float = option(1e-4, "AdamW weight decay")
+    sigma_distribution: Literal["uniform", "logit_normal", "beta"] = option(
+        "beta", "distribution of the flow-matching noise level sigma"
+    )
+    eval_episodes: int = option(50, "fixed evaluation episodes (one batched rollout)")
+    eval_seed: int = option(10_000, "seed of the evaluation episodes")
+    threads: int = option(1, "torch CPU threads (1 is fastest for these small networks)")
+    model: ModelConfig = option(default_factory=ModelConfig, help="the policy's architecture")
+
+
+# The settings config_for_run takes from the fine-tuning run (not options of that run).
+RUN_SETTINGS = ("seed", "output_dir", "max_episode_steps", "success_threshold", "reward")
+
+
+def config_for_run(run: Any) -> PretrainConfig:
+    """``run.pretrain`` with the seed, task and checkpoint folder of a fine-tuning run.
+
+    ``run`` is the config of ``examples/ppo.py`` or ``examples/dsrl.py``; the result makes
+    the checkpoint at ``run.pretrained_checkpoint``. ``run`` is not changed.
+    """
+    return dataclasses.replace(
+        run.pretrain,
+        seed=run.seed,
+        output_dir=str(Path(run.pretrained_checkpoint).parent),
+        **task_options(run),
     )
 
-    # Model: transformer action expert; observation statistics from the demonstrations.
-    normalizer = ObservationNormalizer.from_data(dataset["observation"])
-    policy = build_policy(config.model, normalizer)
+
+def train(policy: FlowSDEPolicy, dataset: TensorDictBase, config: PretrainConfig) -> list[float]:
+    """Flow matching on random minibatches of ``dataset``; returns the loss of every step."""
     loss_module = FlowMatchingLoss(policy, sigma_distribution=config.sigma_distribution)
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.train_steps)
-
-    # Training loop.
     progress = tqdm(range(config.train_steps), desc="flow matching")
     losses = []
     for step in progress:
@@ -106,20 +106,14 @@ def main(config: PretrainConfig) -> dict:
         losses.append(loss.item())
         if step % 100 == 0:
             progress.set_postfix(loss=f"{sum(losses[-100:]) / len(losses[-100:]):.4f}")
-    train_seconds = time.perf_counter() - start
+    return losses
 
-    # Evaluation: deterministic ODE on fixed seeds at K = 20 (reported) and K = 8 (RL's K).
-    policy.eval()
-    env = make_env(
-        config.eval_episodes,
-        config.model.executed_chunk_length,
-        max_episode_steps=config.max_episode_steps,
-        success_threshold=config.success_threshold,
-        reward=config.reward,
-    )
-    max_decisions = decisions_per_episode(
-        config.max_episode_steps, config.model.executed_chunk_length
-    )
+
+def evaluate_parity(policy: FlowSDEPolicy, config: PretrainConfig) -> dict[int, dict]:
+    """Deterministic ODE on the fixed seeds at K = 20 (reported) and K = 8 (RL's K)."""
+    executed = config.model.executed_chunk_length
+    env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
+    max_decisions = decisions_per_episode(config.max_episode_steps, executed)
     results = {}
     for num_steps in (20, 8):
         policy.eval_num_steps = num_steps
@@ -140,7 +134,45 @@ def main(config: PretrainConfig) -> dict:
         )
     else:
         print("Parity check: K=8 and K=20 agree within one point.")
+    return results
 
+
+def main(config: PretrainConfig) -> dict:
+    torch.manual_seed(config.seed)
+    torch.set_num_threads(config.threads)
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    # Demonstrations: cached on disk, collected by the scripted expert when missing.
+    with tqdm(total=config.demo_episodes, desc="demonstrations") as demo_progress:
+        demos, demo_file, cached = load_or_collect_demos(
+            num_episodes=config.demo_episodes,
+            action_noise=config.demo_action_noise,
+            seed=config.demo_seed,
+            max_episode_steps=config.max_episode_steps,
+            success_threshold=config.success_threshold,
+            directory=config.demo_dir,
+            progress=demo_progress.update,
+        )
+    print(f"demonstrations {'loaded from' if cached else 'written to'} {demo_file}")
+    dataset = make_chunk_dataset(
+        demos["observation"], demos["action"], demos["episode"], config.model.chunk_length
+    )
+    print(
+        f"demonstrations: {config.demo_episodes} episodes, {dataset.shape[0]} steps, "
+        f"expert success {demos['success'].float().mean().item():.1%}"
+    )
+
+    # Model (observation statistics from the demonstrations), flow-matching training.
+    normalizer = ObservationNormalizer.from_data(dataset["observation"])
+    policy = build_policy(config.model, normalizer)
+    losses = train(policy, dataset, config)
+    train_seconds = time.perf_counter() - start
+
+    # Evaluation at K = 20 and K = 8, checkpoint and summary.
+    policy.eval()
+    results = evaluate_parity(policy, config)
     summary = {
         "config": dataclasses.asdict(config),
         "bc_success_k20": results[20]["success_rate"],

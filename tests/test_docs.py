@@ -75,3 +75,24 @@ def test_api_pages_name_importable_modules():
     assert targets, "no API page found under docs/"
     for target in targets:
         importlib.import_module(target)
+
+
+def test_ppo_page_lists_every_option_with_its_default(monkeypatch, capsys):
+    """The options table of docs/examples/ppo.md and ``examples/ppo.py --help`` agree."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    ppo = importlib.import_module("ppo")
+    with pytest.raises(SystemExit):
+        ppo.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    listed = set(re.findall(r"(?:^| )(--[\w.]+)(?=[ ,])", help_text.split(" options: ", 1)[1]))
+    listed -= {"--help", "--no-resume"}
+    page = (DOCS / "examples" / "ppo.md").read_text()
+    rows = re.findall(r"^\| `(--[\w.]+)` \|([^|]*)\|([^|]*)\|", page, re.MULTILINE)
+    table = {flag: (default.strip(), quick.strip()) for flag, default, quick in rows}
+    assert set(table) == listed
+    for flag, (default, quick) in table.items():
+        if flag != "--quick":  # the first default after the option is its own
+            shown = re.search(re.escape(flag) + r"[ ,].*?\(default: ([^;)]*)", help_text)
+            assert shown is not None and shown.group(1) == default, flag
+        if quick:
+            assert ppo.QUICK[flag.removeprefix("--")] == type(ppo.QUICK[flag[2:]])(quick), flag

@@ -418,6 +418,8 @@ def test_dsrl_example_zero_mean_start_is_the_noise_free_policy(tmp_path):
     for row in summary["history"]:
         assert row["success_rate"] == summary["bc_noise_free_success"]
         # Same ODE from x_0 = 0 through two code paths (policy forward, transform decode):
-        # float rounding in the actions grows through the physics steps (measured: 3e-5 on a
-        # return of 1.9), so the returns agree to 1e-3, not bit for bit.
-        assert row["mean_return"] == pytest.approx(summary["bc_noise_free_return"], rel=1e-3)
+        # float rounding in the actions grows through the physics steps, by an amount that
+        # depends on the machine (measured: 3e-5 on one, 2.2e-3 on another, on a return of
+        # 1.9, the same before and after the policy's redesign), so the returns agree to 1 %,
+        # not bit for bit; a wrong decoding moves them by far more.
+        assert row["mean_return"] == pytest.approx(summary["bc_noise_free_return"], rel=1e-2)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import importlib
 import json
+import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -15,20 +19,20 @@ from torchrl_flowpolicy.networks import ObservationNormalizer
 ROOT = Path(__file__).resolve().parents[1]
 
 TINY = [
-    "--num-envs", "2",
-    "--frames-per-batch", "8",
-    "--total-decisions", "16",
-    "--model-dim", "16",
-    "--num-heads", "2",
-    "--num-layers", "1",
-    "--eval-num-steps", "4",
-    "--eval-max-decisions", "3",
+    "--num_envs", "2",
+    "--frames_per_batch", "8",
+    "--total_decisions", "16",
+    "--model_dim", "16",
+    "--num_heads", "2",
+    "--num_layers", "1",
+    "--eval_num_steps", "4",
+    "--eval_max_decisions", "3",
 ]  # fmt: skip
 
 
 def run_sampler_demo(tmp_path: Path, *options: str) -> tuple[str, dict]:
     command = [sys.executable, str(ROOT / "examples" / "sampler_demo.py"), *TINY, *options]
-    command += ["--output-dir", str(tmp_path)]
+    command += ["--output_dir", str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout, json.loads((tmp_path / "summary.json").read_text())
@@ -58,7 +62,7 @@ def test_sampler_demo_mixed(tmp_path):
 
 @pytest.mark.slow
 def test_sampler_demo_last_steps(tmp_path):
-    _, summary = run_sampler_demo(tmp_path, "--sde-mode", "last", "--num-sde-steps", "2")
+    _, summary = run_sampler_demo(tmp_path, "--sde_mode", "last", "--num_sde_steps", "2")
 
     counts = [row["count"] for row in summary["stochastic_step_histogram"]]
     assert counts == [0] * 6 + [16, 16]
@@ -88,7 +92,7 @@ def test_evaluate_checkpoints_at_several_noise_scales(tmp_path):
         "--uniform_noise_bounds", "0.3",
         "--eval_episodes", "3",
         "--max_episode_steps", "12",
-        "--eval_num_denoising_steps", "2",
+        "--eval_num_steps", "2",
         "--output_json", str(output),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -130,6 +134,7 @@ def test_compare_runs_table_and_plot(tmp_path):
         str(ROOT / "examples" / "compare_runs.py"),
         "--output", str(output),
         "--wall_time",
+        "--runs",
         f"PPO={ppo}",
         f"DSRL={dsrl}",
     ]  # fmt: skip
@@ -153,3 +158,126 @@ def test_dsrl_target_entropy_follows_the_box_and_refuses_unreachable_targets():
     # At or above log(2m), the entropy of the uniform noise over the box: refused.
     with pytest.raises(ValueError, match="log\\(2 m\\) = -1.204"):
         target_entropy_per_dim(DSRLConfig(noise_bound=0.15, target_entropy_per_dim=-1.0))
+
+
+# ----------------------------------------------------------------------------- command line
+SCRIPTS = sorted(path.name for path in (ROOT / "examples").glob("*.py") if path.name != "common.py")
+
+
+@pytest.fixture
+def examples_on_path(monkeypatch):
+    """The examples import each other (``common``, ``pretrain``) as the scripts do."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+
+
+def help_entries(help_text: str) -> dict[str, str]:
+    """``--option`` -> its help text, from an argparse ``--help`` output (``-h`` left out)."""
+    entries = {}
+    for entry in re.split(r"\n(?=  -)", help_text.split("\noptions:\n", 1)[1]):
+        entry = entry.split("\n\n")[0].strip()  # a group title may follow
+        invocation, _, description = entry.partition("  ")
+        flag = invocation.split()[0].rstrip(",")
+        if flag != "-h":
+            entries[flag] = " ".join(description.split())
+    return entries
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_describes_every_option(script, examples_on_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
+    assert stop.value.code == 0
+    entries = help_entries(capsys.readouterr().out)
+    assert len(entries) >= 4, entries
+    for flag, description in entries.items():
+        assert flag.startswith("--") and "-" not in flag[2:], f"{script}: {flag} is not snake_case"
+        text = description.split("(default:")[0].split("(required")[0].strip()
+        assert text, f"{script}: {flag} has no description"
+
+
+def test_ppo_options_use_the_library_names(examples_on_path, capsys):
+    import ppo
+
+    with pytest.raises(SystemExit):
+        ppo.parse_args(["--help"])
+    entries = help_entries(capsys.readouterr().out)
+    for flag in ("--num_steps", "--eval_num_steps", "--total_env_steps", "--quick"):
+        assert flag in entries
+    assert "--pretrain.demo_action_noise" in entries
+    assert "--pretrain.model.executed_chunk_length" in entries
+    assert not any("denoising" in flag or "noise_level" in flag[10:] for flag in entries)
+    # Set from the run's own options when the pretraining runs: not offered twice.
+    assert "--pretrain.seed" not in entries and "--pretrain.reward" not in entries
+
+
+def test_quick_sets_defaults_and_keeps_explicit_options(examples_on_path):
+    import dsrl
+
+    import ppo
+
+    quick = ppo.parse_args(["--quick"])
+    assert (quick.epochs, quick.total_env_steps, quick.pretrain.train_steps) == (2, 2400, 150)
+    explicit = ppo.parse_args(["--quick", "--epochs", "3", "--pretrain.train_steps", "7"])
+    assert (explicit.epochs, explicit.pretrain.train_steps) == (3, 7)
+    assert explicit.minibatch_size == 76 and explicit.pretrain.demo_episodes == 12
+    assert ppo.parse_args(["--quick", "--total_env_steps", "3000"]).total_env_steps == 3000
+    # The same value as the full default, typed: kept too.
+    assert ppo.parse_args(["--total_env_steps", "400000", "--quick"]).total_env_steps == 400_000
+    assert ppo.parse_args([]) == ppo.PPOConfig()
+    assert dsrl.parse_args(["--quick", "--num_envs", "2"]).num_envs == 2
+    assert dsrl.parse_args(["--quick"]).num_envs == 4
+    assert dsrl.parse_args(["--no-zero_mean_init"]).zero_mean_init is False
+
+
+@pytest.mark.parametrize("script", ["ppo", "dsrl"])
+def test_pretraining_is_an_explicit_call_that_leaves_the_config_alone(
+    script, examples_on_path, monkeypatch, tmp_path
+):
+    import pretrain
+
+    module = importlib.import_module(script)
+    config = module.parse_args(
+        ["--quick", "--seed", "5", "--reward", "gymnasium", "--output_dir", str(tmp_path / "run"),
+         "--pretrained_checkpoint", str(tmp_path / "bc" / "policy.pt")]
+    )  # fmt: skip
+    before = copy.deepcopy(config)
+    called = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_pretrain(pretrain_config):
+        called.append(pretrain_config)
+        raise Stop
+
+    monkeypatch.setattr(pretrain, "main", fake_pretrain)
+    with pytest.raises(Stop):
+        module.main(config)
+    assert config == before
+    (pretrain_config,) = called
+    assert pretrain_config.seed == 5 and pretrain_config.reward == "gymnasium"
+    assert pretrain_config.output_dir == str(tmp_path / "bc")
+    assert pretrain_config.train_steps == 150  # --quick's, from config.pretrain
+    assert pretrain_config == pretrain.config_for_run(config)
+
+
+def test_run_checkpoint_round_trip_restores_state_and_random_stream(examples_on_path, tmp_path):
+    from common import resume_run, save_run
+
+    torch.manual_seed(0)
+    network = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(network.parameters())
+    network(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    save_run(tmp_path / "run.pt", {"net": network, "opt": optimizer}, iteration=7, history="[]")
+    expected_draw = torch.rand(3)
+
+    torch.manual_seed(1)
+    other = torch.nn.Linear(3, 2)
+    other_optimizer = torch.optim.Adam(other.parameters())
+    progress = resume_run(tmp_path / "run.pt", {"net": other, "opt": other_optimizer})
+    assert progress == {"iteration": 7, "history": "[]"}
+    torch.testing.assert_close(other.weight, network.weight, rtol=0, atol=0)
+    assert other_optimizer.state_dict()["state"][0]["step"] == 1
+    torch.testing.assert_close(torch.rand(3), expected_draw, rtol=0, atol=0)

@@ -310,14 +310,15 @@ def test_demos_cache_is_written_atomically(tmp_path, monkeypatch):
 
 
 def test_collect_demos_script(tmp_path, capsys, monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "examples" / "collect_demos.py"
-    spec = importlib.util.spec_from_file_location("collect_demos", path)
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    monkeypatch.syspath_prepend(str(examples))  # the script imports the examples' common.py
+    spec = importlib.util.spec_from_file_location("collect_demos", examples / "collect_demos.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "collect_demos", script)  # dataclasses look it up
     spec.loader.exec_module(script)
-    argv = ["--num-episodes", "2", "--max-episode-steps", "10", "--output-dir", str(tmp_path)]
-    first = script.main(script.parse_config(argv))
-    second = script.main(script.parse_config(argv))
+    argv = ["--num_episodes", "2", "--max_episode_steps", "10", "--output_dir", str(tmp_path)]
+    first = script.main(script.parse_config(script.CollectConfig, argv))
+    second = script.main(script.parse_config(script.CollectConfig, argv))
     assert not first["loaded_from_cache"] and second["loaded_from_cache"]
     assert first["success_rate"] == second["success_rate"] and first["steps"] == 20
     assert "success rate" in capsys.readouterr().out
