@@ -1,4 +1,5 @@
-"""What the Pusher-v5 examples share: the command line, the model, checkpoints and loggers.
+"""What the Pusher-v5 examples share: the command line, the model, checkpoints, loggers and
+the evaluation protocol (its baselines, its held-out numbers and their plot).
 
 Kept small on purpose: every example script still reads top to bottom; this module only
 spares them from writing the same thing twice.
@@ -31,16 +32,28 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-from torch import nn
+from tensordict.nn import TensorDictModuleBase
+from torch import Tensor, nn
+from torchrl.envs import EnvBase
 from torchrl.record.loggers import CSVLogger, WandbLogger
 
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint
+from torchrl_flowpolicy.envs import make_pusher_env
+from torchrl_flowpolicy.evaluation import evaluate_decodings
 from torchrl_flowpolicy.networks import (
     ActionExpertTransformer,
     ObservationEncoder,
     ObservationNormalizer,
 )
+from torchrl_flowpolicy.protocol import (
+    CURVE_SEED,
+    evaluate_expert,
+    format_protocol,
+    protocol_summary,
+    split_seed,
+)
+from torchrl_flowpolicy.statistics import wilson_interval
 
 OBSERVATION_DIM = 23
 ACTION_DIM = 7
@@ -272,3 +285,87 @@ class MetricLogger:
         for logger in self.loggers:
             for name, value in metrics.items():
                 logger.log_scalar(name, value, step=step)
+
+
+# ----------------------------------------------------------------------------- protocol
+def outcome_summary(outcomes: Mapping[str, Tensor]) -> dict[str, float]:
+    """Success rate (with its Wilson 95 % interval), mean return and count of an evaluation."""
+    successes, trials = int(outcomes["success"].sum()), outcomes["success"].numel()
+    low, high = wilson_interval(successes, trials)
+    return {
+        "success_rate": successes / trials,
+        "success_low": low,
+        "success_high": high,
+        "mean_return": outcomes["return"].float().mean().item(),
+        "num_episodes": trials,
+    }
+
+
+def curve_baselines(
+    bc_policy: FlowSDEPolicy, env: EnvBase, max_decisions: int, config: Any
+) -> dict[str, dict[str, float]]:
+    """The lines of the learning-curve plot, on the curve seeds: BC under both decodings and
+    the clean expert (:func:`outcome_summary` each), printed. Leaves torch's RNG alone."""
+    bc = evaluate_decodings(bc_policy, env, max_decisions=max_decisions, seed=CURVE_SEED)
+    expert = evaluate_expert(env.batch_size[0], seed=CURVE_SEED, **task_options(config))
+    baselines = {
+        "BC (sampled)": outcome_summary(bc["sampled"]),
+        "BC (noise-free)": outcome_summary(bc["noise_free"]),
+        "expert": outcome_summary(expert),
+    }
+    print(
+        "curve seeds: "
+        + "; ".join(f"{name} {row['success_rate']:.1%}" for name, row in baselines.items())
+    )
+    return baselines
+
+
+def held_out_protocol(
+    bc_policy: FlowSDEPolicy,
+    rl_policy: TensorDictModuleBase,
+    config: Any,
+    executed_chunk_length: int,
+    rl_env: EnvBase | None = None,
+    name: str = "RL",
+) -> dict[str, Any]:
+    """The evaluation protocol on ``config.held_out_episodes`` held-out episodes.
+
+    BC and RL under both decodings (:func:`~torchrl_flowpolicy.evaluation.evaluate_decodings`)
+    and the clean expert, all on the same states and the same initial noise;
+    :func:`~torchrl_flowpolicy.protocol.protocol_summary` with ``config.reported_decoding``.
+    ``rl_env`` is RL's environment with ``held_out_episodes`` sub-environments (default:
+    the chunked task, as BC's). ``"line"`` holds :func:`~torchrl_flowpolicy.protocol.format_protocol`'s
+    sentence about ``name``. Leaves torch's RNG alone.
+    """
+    seed = split_seed("held_out", config.held_out_episodes)
+    max_decisions = decisions_per_episode(config.max_episode_steps, executed_chunk_length)
+    env = make_pusher_env(config.held_out_episodes, executed_chunk_length, **task_options(config))
+    options = {"max_decisions": max_decisions, "seed": seed}
+    bc = evaluate_decodings(bc_policy, env, **options)
+    rl = evaluate_decodings(rl_policy, env if rl_env is None else rl_env, **options)
+    env.close()
+    expert = evaluate_expert(config.held_out_episodes, seed=seed, **task_options(config))
+    summary = protocol_summary(bc, rl, expert, reported_decoding=config.reported_decoding)
+    return {"split": "held_out", "seed": seed, "line": format_protocol(summary, name), **summary}
+
+
+def plot_success_band(axis: Any, x: Sequence[float], rows: Sequence[Mapping], **style) -> None:
+    """A success curve (percent) of evaluation rows with the band of their Wilson intervals."""
+    intervals = [
+        wilson_interval(round(row["success_rate"] * row["num_episodes"]), row["num_episodes"])
+        for row in rows
+    ]
+    (line,) = axis.plot(x, [100 * row["success_rate"] for row in rows], "o-", **style)
+    low, high = zip(*intervals, strict=True)
+    axis.fill_between(
+        x, [100 * v for v in low], [100 * v for v in high], alpha=0.2, color=line.get_color()
+    )
+
+
+def plot_baselines(axis: Any, baselines: Mapping[str, Mapping[str, float]]) -> None:
+    """Each baseline's success as a horizontal line (percent) with its Wilson band."""
+    for (label, row), color in zip(
+        baselines.items(), ("tab:gray", "tab:olive", "tab:green"), strict=False
+    ):
+        axis.axhline(100 * row["success_rate"], color=color, linestyle="--", label=label)
+        axis.axhspan(100 * row["success_low"], 100 * row["success_high"], color=color, alpha=0.12)

@@ -6,18 +6,21 @@ chunked Pusher-v5 environment makes the action the policy's initial noise
 ``x_0 in [-m, m]^(H x D)`` and executes the chunk that the policy's deterministic ODE
 (K = 20) decodes from it; TorchRL's ``SACLoss`` (two critics, automatic temperature) trains
 a tanh-Gaussian noise actor on it; the deterministic evaluation decodes the actor's mean
-noise on the fixed evaluation seeds of ``examples/ppo.py`` and compares it with the
-pretrained policy's own ODE from random noise (BC) and from ``x_0 = 0`` (noise-free BC)
+noise on the learning-curve seeds of ``examples/ppo.py`` and compares it with the
+pretrained policy's own ODE from random noise (BC) and from ``x_0 = 0`` (noise-free BC) and
+with the clean scripted expert -> the evaluation protocol on held-out seeds (BC and DSRL
+under both decodings, the expert, 95 % intervals; see ``torchrl_flowpolicy.protocol``; DSRL's
+decodings: its actor's sampled noise, ``"sampled"``, and its mean noise, ``"noise_free"``)
 -> learning-curve PNG and JSON summary.
 
 The defaults are tuned to this policy, whose good chunks lie near ``x_0 = 0``: a small box
 (m = 0.3 instead of DSRL's 1.5), the actor's mean starting at ``x_0 = 0``, critics trained
 alone for the first updates; ``docs/dsrl.md`` shows the runs behind each choice.
 
-``main`` reads top to bottom: seed, frozen pretrained policy, BC levels, noise envs, SAC
-learner (noise actor, critics, loss, optimisers), replay buffer, resume, collector, training
-loop (collect, ``utd_ratio`` updates per decision, log, evaluate, checkpoint), final
-evaluation, plot, summary. ``python examples/dsrl.py --help`` lists every option;
+``main`` reads top to bottom: seed, frozen pretrained policy, baselines (BC under both
+decodings, the expert), noise envs, SAC learner (noise actor, critics, loss, optimisers),
+replay buffer, resume, collector, training loop (collect, ``utd_ratio`` updates per decision,
+log, evaluate, checkpoint), final evaluation, held-out protocol, plot, summary. ``python examples/dsrl.py --help`` lists every option;
 ``--quick`` runs the whole chain in under a minute; ``--resume`` continues a killed run
 (replay buffer included).
 """
@@ -59,16 +62,21 @@ from torchrl_flowpolicy import FlowSDEPolicy  # noqa: E402
 from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform  # noqa: E402
 from torchrl_flowpolicy.envs import decision_discount, make_pusher_env  # noqa: E402
 from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
+from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed  # noqa: E402
 
 import pretrain  # noqa: E402
 from common import (  # noqa: E402
     OBSERVATION_DIM,
     MetricLogger,
     ModelConfig,
+    curve_baselines,
     decisions_per_episode,
+    held_out_protocol,
     load_policy,
     option,
     parse_config,
+    plot_baselines,
+    plot_success_band,
     resume_run,
     save_run,
     task_options,
@@ -123,8 +131,15 @@ class DSRLConfig:
     )
     # Evaluation, logging, checkpoints.
     eval_every_env_steps: int = option(20_000, "env steps between deterministic evaluations")
-    eval_episodes: int = option(50, "fixed evaluation episodes")
-    eval_seed: int = option(10_000, "seed of the evaluation episodes (the same for BC and RL)")
+    eval_episodes: int = option(50, "learning-curve episodes (curve seeds 10000+, as BC's)")
+    held_out_episodes: int = option(
+        200, "final protocol episodes (held-out seeds 30000+: used by nothing else)"
+    )
+    reported_decoding: Literal["sampled", "noise_free"] = option(
+        "noise_free",
+        "DSRL's decoding reported on the held-out states: the actor's mean noise (noise_free, "
+        "DSRL's deterministic policy) or sampled noise; fixed before looking at held-out numbers",
+    )
     log_every_env_steps: int = option(2_000, "env steps between logged training metrics")
     checkpoint_every_env_steps: int = option(20_000, "env steps between checkpoints")
     loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
@@ -150,6 +165,7 @@ QUICK = {
     "log_every_env_steps": 300,
     "checkpoint_every_env_steps": 600,
     "eval_episodes": 8,
+    "held_out_episodes": 8,
     "pretrain.demo_episodes": 12,
     "pretrain.train_steps": 150,
     "pretrain.eval_episodes": 8,
@@ -240,51 +256,31 @@ def make_critic(policy: FlowSDEPolicy, config: DSRLConfig) -> ValueOperator:
 
 
 def plot_curves(history: list[dict], baselines: dict[str, dict], path: Path) -> None:
-    """Success and return against environment steps, success against wall time.
-
-    ``baselines`` maps a label to an evaluation of the frozen policy, drawn as a line.
-    """
+    """Success and return against environment steps, success against wall time, on the
+    curve seeds; the baselines (BC under both decodings, the expert) as lines; success with
+    Wilson 95 % bands."""
     steps = [row["env_steps"] for row in history]
     minutes = [row["wall_seconds"] / 60 for row in history]
-    success = [100 * row["success_rate"] for row in history]
     figure, (success_axis, return_axis, time_axis) = plt.subplots(1, 3, figsize=(16, 4))
-    success_axis.plot(steps, success, "o-", label="DSRL")
+    for axis, x in ((success_axis, steps), (time_axis, minutes)):
+        plot_success_band(axis, x, history, label="DSRL (mean noise)")
+        plot_baselines(axis, baselines)
     success_axis.set(xlabel="environment steps", ylabel="success (%)", ylim=(-2, 102))
     return_axis.plot(steps, [row["mean_return"] for row in history], "o-", label="DSRL")
     return_axis.set(xlabel="environment steps", ylabel="episode return")
-    time_axis.plot(minutes, success, "o-", label="DSRL")
     time_axis.set(xlabel="training wall time (min)", ylabel="success (%)", ylim=(-2, 102))
-    for (label, baseline), style in zip(baselines.items(), ("--", ":"), strict=False):
-        for axis in (success_axis, time_axis):
-            axis.axhline(100 * baseline["success_rate"], color="gray", linestyle=style, label=label)
+    for (label, baseline), style in zip(baselines.items(), ("--", ":", "-."), strict=False):
         return_axis.axhline(baseline["mean_return"], color="gray", linestyle=style, label=label)
     for axis in (success_axis, return_axis, time_axis):
         axis.grid(alpha=0.3)
         axis.legend()
-    figure.suptitle("Pusher-v5 DSRL: deterministic evaluation (mean noise, ODE K = 20)")
+    figure.suptitle(
+        f"Pusher-v5 DSRL: deterministic evaluation (mean noise, ODE K = 20) on "
+        f"{history[-1]['num_episodes']} curve episodes (seeds {CURVE_SEED}+), 95 % Wilson bands"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-
-
-def evaluate_bc_levels(
-    policy: FlowSDEPolicy, config: DSRLConfig, executed_chunk_length: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """The frozen policy's ODE from ``x_0 ~ N(0, I)`` (the protocol of every example) and
-    from ``x_0 = 0`` (the noise-free chunk), on the fixed evaluation seeds."""
-    max_decisions = decisions_per_episode(config.max_episode_steps, executed_chunk_length)
-    env = make_pusher_env(config.eval_episodes, executed_chunk_length, **task_options(config))
-    bc = evaluate_policy(policy, env, max_decisions=max_decisions, seed=config.eval_seed)
-    policy.eval_noise_scale = 0.0
-    bc_noise_free = evaluate_policy(policy, env, max_decisions=max_decisions, seed=config.eval_seed)
-    policy.eval_noise_scale = 1.0
-    env.close()
-    print(
-        f"BC: success {bc['success_rate']:.1%}, return {bc['mean_return']:.2f}; "
-        f"noise-free (x_0 = 0): success {bc_noise_free['success_rate']:.1%}, "
-        f"return {bc_noise_free['mean_return']:.2f}"
-    )
-    return bc, bc_noise_free
 
 
 def make_noise_env(
@@ -495,7 +491,7 @@ def make_collector(
     random_decisions = max(config.random_env_steps // executed_chunk_length - buffered, 0)
     random_decisions = -(-random_decisions // decisions_per_batch) * decisions_per_batch
     remaining_batches = -(-max(config.total_env_steps - run.env_steps, 0) // steps_per_batch)
-    train_env.set_seed(config.seed + 1000 * run.iteration)
+    train_env.set_seed(training_seed(config.seed, run.iteration, config.num_envs))
     return Collector(
         train_env,
         actor,
@@ -555,13 +551,15 @@ def next_multiple(value: int, every: int) -> int:
 
 def write_summary(
     config: DSRLConfig,
-    bc_levels: dict[str, dict[str, float]],
+    baselines: dict[str, dict[str, float]],
     run: Progress,
+    held_out: dict[str, Any],
     pretrained_state: dict[str, Any],
     start: float,
 ) -> dict[str, Any]:
-    """``summary.json``: BC levels, the final evaluation (the history's last row), counters."""
-    bc, bc_noise_free = bc_levels.values()
+    """``summary.json``: the baselines on the curve seeds (BC under both decodings, the
+    expert), the final evaluation (the history's last row), counters, the held-out protocol."""
+    bc, bc_noise_free = baselines["BC (sampled)"], baselines["BC (noise-free)"]
     final = run.history[-1]
     summary = {
         "seed": config.seed,
@@ -571,6 +569,9 @@ def write_summary(
         "bc_noise_free_success": bc_noise_free["success_rate"],
         "bc_noise_free_return": bc_noise_free["mean_return"],
         "rl_return": final["mean_return"],
+        "expert_success": baselines["expert"]["success_rate"],
+        "curve_baselines": baselines,
+        "held_out": held_out,
         "env_steps": run.env_steps,
         "iterations": run.iteration,
         "updates": run.updates,
@@ -600,9 +601,12 @@ def main(config: DSRLConfig) -> dict:
         pretrained, eval_num_steps=config.eval_num_steps
     )
     executed = model_config.executed_chunk_length
+    max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 
-    # Two BC levels; then the envs whose action is the noise (evaluation: fixed seeds).
-    bc, bc_noise_free = evaluate_bc_levels(policy, config, executed)
+    # Baselines on the curve seeds (BC under both decodings, the expert); the noise envs.
+    bc_env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
+    baselines = curve_baselines(policy, bc_env, max_decisions, config)
+    bc_env.close()
     eval_env = make_noise_env(policy, config, config.eval_episodes, executed)
     train_env = make_noise_env(policy, config, config.num_envs, executed)
 
@@ -619,8 +623,7 @@ def main(config: DSRLConfig) -> dict:
     # Collector, logger, evaluation.
     collector = make_collector(actor, train_env, config, executed, len(replay_buffer), run)
     log = MetricLogger(config.loggers, f"dsrl_seed{config.seed}", output_dir, config).log
-    max_decisions = decisions_per_episode(config.max_episode_steps, executed)
-    evaluate = Evaluator(actor, eval_env, max_decisions, config.eval_seed, log)
+    evaluate = Evaluator(actor, eval_env, max_decisions, CURVE_SEED, log)
 
     # Training loop (after evaluating the actor's starting point).
     training_start = time.perf_counter() - run.wall_seconds  # a resumed run goes on counting
@@ -653,21 +656,25 @@ def main(config: DSRLConfig) -> dict:
     progress.close()
     collector.shutdown()
 
-    # Final evaluation, checkpoint, plot and summary.
+    # Final evaluation, checkpoint, held-out protocol (BC and DSRL under both decodings, the
+    # expert), plot and summary.
     if not run.history or run.history[-1]["env_steps"] != run.env_steps:
         evaluate(run, time.perf_counter() - training_start)
     run.wall_seconds = time.perf_counter() - training_start
     save_dsrl_run(run_checkpoint, learner, replay_buffer, run, model_config)
     eval_env.close()
-    bc_levels = {"BC (x_0 ~ N(0, I))": bc, "BC (x_0 = 0)": bc_noise_free}
-    plot_curves(run.history, bc_levels, output_dir / "learning_curve.png")
-    summary = write_summary(config, bc_levels, run, pretrained_state, start)
-    final = run.history[-1]
+    held_out_env = make_noise_env(policy, config, config.held_out_episodes, executed)
+    held_out = held_out_protocol(policy, actor, config, executed, held_out_env, name="DSRL")
+    held_out_env.close()
+    plot_curves(run.history, baselines, output_dir / "learning_curve.png")
+    summary = write_summary(config, baselines, run, held_out, pretrained_state, start)
+    bc, final = baselines["BC (sampled)"], run.history[-1]
     print(
-        f"BC success {bc['success_rate']:.1%} -> DSRL success {final['success_rate']:.1%} "
-        f"after {run.env_steps} env steps, {run.updates} updates "
+        f"curve seeds: BC success {bc['success_rate']:.1%} -> DSRL success "
+        f"{final['success_rate']:.1%} after {run.env_steps} env steps, {run.updates} updates "
         f"({summary['wall_seconds'] / 60:.1f} min)"
     )
+    print(f"held-out seeds: {held_out['line']}")
     return summary
 
 

@@ -1,20 +1,25 @@
-"""Evaluate flow-policy checkpoints on Pusher-v5 at several initial-noise scales.
+"""Evaluate flow-policy checkpoints (and the scripted expert) on Pusher-v5 on one seed split.
 
 Loads each checkpoint (``examples/pretrain.py``'s ``policy.pt`` or ``examples/ppo.py``'s
-``checkpoint.pt``: both store ``"policy"`` and ``"model_config"``), and runs the evaluation
-protocol of the examples (``eval_episodes`` fixed episodes from ``eval_seed``, the
-deterministic ODE with ``eval_num_steps``) once per scale in
-``eval_noise_scales``: the ODE starts from ``x_0 = scale * N(0, I)``. Scale 1 is the
-protocol of every learning curve (the model's own chunk distribution); scale 0 decodes the
-noise-free chunk ``x_0 = 0``. With ``uniform_noise_bounds`` it also decodes noise drawn
-uniformly from ``[-m, m]^(H x D)`` for each bound ``m`` (through DSRL's
+``checkpoint.pt``: both store ``"policy"`` and ``"model_config"``), and runs
+``eval_episodes`` episodes of the ``split``'s seed range (``torchrl_flowpolicy.protocol``:
+``curve`` from 10000, the learning curves; ``validation`` from 20000, for choosing defaults,
+hyper-parameters and the reported decoding; ``held_out`` from 30000, final numbers only)
+with the deterministic ODE (``eval_num_steps``) once per scale in ``eval_noise_scales``: the
+ODE starts from ``x_0 = scale * N(0, I)``. Scale 1 is the ``"sampled"`` decoding (the
+model's own chunk distribution, that of every learning curve); scale 0 the ``"noise_free"``
+chunk ``x_0 = 0``. With ``uniform_noise_bounds`` it also decodes noise drawn uniformly from
+``[-m, m]^(H x D)`` for each bound ``m`` (through DSRL's
 :class:`~torchrl_flowpolicy.dsrl.NoiseActionTransform`): how good the frozen policy is
-anywhere in a DSRL noise box, before any training. Prints one line per evaluation and
-writes them to ``output_json``.
+anywhere in a DSRL noise box, before any training. With ``--expert`` the clean scripted
+expert runs on the same states. Every evaluation uses the same states and the same initial
+noise (paired). Prints one line per evaluation with its Wilson 95 % interval and writes
+them, with the per-episode successes, to ``output_json``.
 
 Example::
 
-    python examples/evaluate.py --checkpoints outputs/pretrain_seed0/policy.pt,outputs/ppo_seed0/checkpoint.pt
+    python examples/evaluate.py --split validation --expert \\
+        --checkpoints outputs/pretrain_seed0/policy.pt,outputs/ppo_seed0/checkpoint.pt
 """
 
 from __future__ import annotations
@@ -32,9 +37,17 @@ from tqdm import tqdm
 
 from torchrl_flowpolicy.dsrl import NoiseActionTransform
 from torchrl_flowpolicy.envs import make_pusher_env
-from torchrl_flowpolicy.evaluation import evaluate_policy
+from torchrl_flowpolicy.evaluation import evaluate_episodes
+from torchrl_flowpolicy.protocol import evaluate_expert, split_seed
 
-from common import decisions_per_episode, load_policy, option, parse_config, task_options
+from common import (
+    decisions_per_episode,
+    load_policy,
+    option,
+    outcome_summary,
+    parse_config,
+    task_options,
+)
 
 
 @dataclass
@@ -47,8 +60,13 @@ class EvaluateConfig:
         "", "comma-separated m: also decode uniform noise in [-m, m]^(H x D)"
     )
     eval_num_steps: int = option(20, "K of the deterministic ODE")
-    eval_episodes: int = option(50, "fixed evaluation episodes")
-    eval_seed: int = option(10_000, "seed of the evaluation episodes (that of the examples)")
+    eval_episodes: int = option(50, "evaluation episodes (the first seeds of the split)")
+    split: Literal["curve", "validation", "held_out"] = option(
+        "validation",
+        "seed range: curve (10000+, learning curves), validation (20000+, choices), "
+        "held_out (30000+, final numbers only)",
+    )
+    expert: bool = option(False, "also run the clean scripted expert on the same states")
     max_episode_steps: int = option(150, "Pusher-v5 horizon (env steps)")
     success_threshold: float = option(0.05, "final object-goal distance that counts as success, m")
     reward: Literal["progress", "gymnasium"] = option(
@@ -56,6 +74,18 @@ class EvaluateConfig:
     )
     output_json: str = option("outputs/evaluation.json", "where the rows are written")
     threads: int = option(1, "torch CPU threads")
+
+
+def report_row(outcomes: dict[str, torch.Tensor], label: str, **row: object) -> dict:
+    """One evaluation's row (:func:`~common.outcome_summary` and the per-episode successes),
+    printed as ``label``; ``row`` adds columns."""
+    result = outcome_summary(outcomes)
+    tqdm.write(
+        f"{label}: success {result['success_rate']:.1%} "
+        f"[{100 * result['success_low']:.1f}, {100 * result['success_high']:.1f}], "
+        f"return {result['mean_return']:.2f} ({result['num_episodes']} episodes)"
+    )
+    return {**row, **result, "episode_success": outcomes["success"].int().tolist()}
 
 
 def evaluate_row(
@@ -66,13 +96,10 @@ def evaluate_row(
     config: EvaluateConfig,
     **row: object,
 ) -> dict:
-    """One evaluation on the fixed seeds, printed as ``label``; ``row`` adds columns."""
-    result = evaluate_policy(actor, env, max_decisions=max_decisions, seed=config.eval_seed)
-    tqdm.write(
-        f"{label}: success {result['success_rate']:.1%}, "
-        f"return {result['mean_return']:.2f} ({result['num_episodes']} episodes)"
-    )
-    return {**row, **result}
+    """One evaluation on the split's seeds, printed as ``label``; ``row`` adds columns."""
+    seed = split_seed(config.split, config.eval_episodes)
+    outcomes = evaluate_episodes(actor, env, max_decisions=max_decisions, seed=seed)
+    return report_row(outcomes, label, **row)
 
 
 def main(config: EvaluateConfig) -> list[dict]:
@@ -80,7 +107,12 @@ def main(config: EvaluateConfig) -> list[dict]:
     checkpoints = [path for path in config.checkpoints.split(",") if path]
     scales = [float(scale) for scale in config.eval_noise_scales.split(",") if scale]
     bounds = [float(bound) for bound in config.uniform_noise_bounds.split(",") if bound]
+    seed = split_seed(config.split, config.eval_episodes)
+    tqdm.write(f"split {config.split}: {config.eval_episodes} episodes from seed {seed}")
     rows = []
+    if config.expert:
+        outcomes = evaluate_expert(config.eval_episodes, seed=seed, **task_options(config))
+        rows.append(report_row(outcomes, "clean scripted expert", checkpoint="expert"))
     progress = tqdm(total=len(checkpoints) * (len(scales) + len(bounds)), desc="evaluations")
     for path in checkpoints:
         policy, model_config, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
@@ -107,7 +139,8 @@ def main(config: EvaluateConfig) -> list[dict]:
     progress.close()
     output = Path(config.output_json)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"config": asdict(config), "rows": rows}, indent=2))
+    summary = {"config": asdict(config), "seed": seed, "rows": rows}
+    output.write_text(json.dumps(summary, indent=2))
     return rows
 
 

@@ -3,12 +3,15 @@
 Pipeline: scripted-expert demonstrations -> flow-matching behaviour cloning
 (``examples/pretrain.py``, run first when its checkpoint is missing) -> PPO with the Flow-SDE
 sampler (K = 8, a = 0.5, mixed ODE/SDE) and ``DenoisingClipPPOLoss`` -> deterministic
-evaluation at K = 20 on fixed seeds -> learning-curve PNG and JSON summary.
+evaluation at K = 20 on the learning-curve seeds -> the evaluation protocol on held-out
+seeds (BC and PPO under both decodings, the clean scripted expert, 95 % intervals; see
+``torchrl_flowpolicy.protocol``) -> learning-curve PNG and JSON summary.
 
-``main`` reads top to bottom: seed, pretrained policy, evaluation env and BC level, learner
-(critic, loss, optimisers), resume, collector, training loop (one PPO iteration per batch,
-evaluate, log, checkpoint), final evaluation, plot, summary. ``--quick`` runs the whole
-chain in about a minute; ``--resume`` continues a killed run.
+``main`` reads top to bottom: seed, pretrained policy, evaluation env and baselines (BC under
+both decodings, the expert), learner (critic, loss, optimisers), resume, collector, training
+loop (one PPO iteration per batch, evaluate, log, checkpoint), final evaluation, held-out
+protocol, plot, summary. ``--quick`` runs the whole chain in about a minute; ``--resume``
+continues a killed run.
 """
 
 from __future__ import annotations
@@ -39,16 +42,21 @@ from torchrl_flowpolicy import FlowSDEPolicy  # noqa: E402
 from torchrl_flowpolicy.envs import decision_discount, make_pusher_env  # noqa: E402
 from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
+from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed  # noqa: E402
 
 import pretrain  # noqa: E402
 from common import (  # noqa: E402
     OBSERVATION_DIM,
     MetricLogger,
     ModelConfig,
+    curve_baselines,
     decisions_per_episode,
+    held_out_protocol,
     load_policy,
     option,
     parse_config,
+    plot_baselines,
+    plot_success_band,
     resume_run,
     save_run,
     task_options,
@@ -96,8 +104,15 @@ class PPOConfig:
     critic_warmup_iterations: int = option(3, "first iterations train only the critic")
     # Evaluation, logging, checkpoints.
     eval_every: int = option(20, "iterations between deterministic evaluations")
-    eval_episodes: int = option(50, "fixed evaluation episodes")
-    eval_seed: int = option(10_000, "seed of the evaluation episodes (the same for BC and RL)")
+    eval_episodes: int = option(50, "learning-curve episodes (curve seeds 10000+, as BC's)")
+    held_out_episodes: int = option(
+        200, "final protocol episodes (held-out seeds 30000+: used by nothing else)"
+    )
+    reported_decoding: Literal["sampled", "noise_free"] = option(
+        "sampled",
+        "PPO's decoding reported on the held-out states (chosen on validation states, "
+        "before looking at held-out numbers)",
+    )
     checkpoint_every: int = option(20, "iterations between checkpoints")
     loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
     resume: bool = option(False, "continue from output_dir/checkpoint.pt")
@@ -118,6 +133,7 @@ QUICK = {
     "eval_every": 2,
     "checkpoint_every": 2,
     "eval_episodes": 8,
+    "held_out_episodes": 8,
     "critic_warmup_iterations": 1,
     "pretrain.demo_episodes": 12,
     "pretrain.train_steps": 150,
@@ -321,20 +337,27 @@ def evaluation_record(
 
 def write_summary(
     config: PPOConfig,
-    bc: dict[str, float],
+    baselines: dict[str, dict[str, float]],
     final: dict[str, float],
     history: list[dict],
+    held_out: dict[str, Any],
     pretrained_state: dict[str, Any],
     start: float,
 ) -> dict[str, Any]:
-    """``summary.json``: BC and final levels, the evaluation history (whose last row is the
-    final one), this run's config and the pretraining summary."""
+    """``summary.json``: on the curve seeds the baselines (BC under both decodings, the expert)
+    and the final level, the evaluation history (whose last row is the final one); the
+    held-out protocol; this run's config and the pretraining summary."""
+    bc = baselines["BC (sampled)"]
     summary = {
         "seed": config.seed,
         "bc_success": bc["success_rate"],
         "rl_success": final["success_rate"],
         "bc_return": bc["mean_return"],
         "rl_return": final["mean_return"],
+        "bc_noise_free_success": baselines["BC (noise-free)"]["success_rate"],
+        "expert_success": baselines["expert"]["success_rate"],
+        "curve_baselines": baselines,
+        "held_out": held_out,
         "env_steps": history[-1]["env_steps"],
         "iterations": history[-1]["iteration"],
         "eval_episodes": config.eval_episodes,
@@ -347,20 +370,25 @@ def write_summary(
     return summary
 
 
-def plot_curves(history: list[dict], bc_success: float, bc_return: float, path: Path) -> None:
-    """Success and return against environment steps, with the BC level as a line."""
+def plot_curves(history: list[dict], baselines: dict[str, dict[str, float]], path: Path) -> None:
+    """Success and return against environment steps on the curve seeds; the baselines (BC
+    under both decodings, the expert) as lines; success with Wilson 95 % bands."""
     steps = [row["env_steps"] for row in history]
     figure, (success_axis, return_axis) = plt.subplots(1, 2, figsize=(11, 4))
-    success_axis.plot(steps, [100 * row["success_rate"] for row in history], "o-", label="PPO")
-    success_axis.axhline(100 * bc_success, color="gray", linestyle="--", label="BC")
+    plot_success_band(success_axis, steps, history, label="PPO (sampled)")
+    plot_baselines(success_axis, baselines)
     success_axis.set(xlabel="environment steps", ylabel="success (%)", ylim=(-2, 102))
-    return_axis.plot(steps, [row["mean_return"] for row in history], "o-", label="PPO")
-    return_axis.axhline(bc_return, color="gray", linestyle="--", label="BC")
+    return_axis.plot(steps, [row["mean_return"] for row in history], "o-", label="PPO (sampled)")
+    for (label, row), style in zip(baselines.items(), ("--", ":", "-."), strict=False):
+        return_axis.axhline(row["mean_return"], color="gray", linestyle=style, label=label)
     return_axis.set(xlabel="environment steps", ylabel="episode return")
     for axis in (success_axis, return_axis):
         axis.grid(alpha=0.3)
         axis.legend()
-    figure.suptitle("Pusher-v5: deterministic evaluation (ODE, K = 20)")
+    figure.suptitle(
+        f"Pusher-v5: deterministic evaluation (ODE, K = 20) on {history[-1]['num_episodes']} "
+        f"curve episodes (seeds {CURVE_SEED}+), 95 % Wilson bands"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -378,13 +406,13 @@ def main(config: PPOConfig) -> dict:
     if not pretrained.is_file():
         pretrain.main(pretrain.config_for_run(config))
     policy, model_config, pretrained_state = load_policy(pretrained, **sampler_options(config))
+    bc_policy = copy.deepcopy(policy)  # the pretrained policy, for the held-out protocol
     executed = model_config.executed_chunk_length
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 
-    # Evaluation env (fixed seeds) and the BC level.
+    # Evaluation env (curve seeds), the baselines: BC under both decodings, the expert.
     eval_env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
-    bc = evaluate_policy(policy, eval_env, max_decisions=max_decisions, seed=config.eval_seed)
-    print(f"BC: success {bc['success_rate']:.1%}, return {bc['mean_return']:.1f}")
+    baselines = curve_baselines(policy, eval_env, max_decisions, config)
 
     # Critic, loss, optimisers; resumed with the counters, history and RNG state if asked.
     learner = make_learner(policy, config, executed)
@@ -401,7 +429,7 @@ def main(config: PPOConfig) -> dict:
     steps_per_batch = config.num_envs * config.episodes_per_batch * config.max_episode_steps
     remaining_iterations = max((config.total_env_steps - env_steps) // steps_per_batch, 0)
     last_iteration = iteration + remaining_iterations
-    seed = config.seed + 1000 * iteration
+    seed = training_seed(config.seed, iteration, config.num_envs)
     collector = make_collector(
         policy, config, executed, decisions_per_batch, remaining_iterations, seed
     )
@@ -423,7 +451,7 @@ def main(config: PPOConfig) -> dict:
         row["iteration"] = iteration
         if iteration % config.eval_every == 0 or iteration == last_iteration:
             evaluation = evaluate_policy(
-                policy, eval_env, max_decisions=max_decisions, seed=config.eval_seed
+                policy, eval_env, max_decisions=max_decisions, seed=CURVE_SEED
             )
             history.append(evaluation_record(evaluation, env_steps, iteration, start))
             row["eval/success_rate"] = evaluation["success_rate"]
@@ -437,17 +465,22 @@ def main(config: PPOConfig) -> dict:
     collector.shutdown()
     save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history)
 
-    # Final evaluation (a history row unless the last iteration had one), plot, summary.
-    final = evaluate_policy(policy, eval_env, max_decisions=max_decisions, seed=config.eval_seed)
+    # Final evaluation (a history row unless the last iteration had one), held-out protocol
+    # (BC and PPO under both decodings, the expert), plot, summary.
+    final = evaluate_policy(policy, eval_env, max_decisions=max_decisions, seed=CURVE_SEED)
     eval_env.close()
     if not history or history[-1]["env_steps"] != env_steps:
         history.append(evaluation_record(final, env_steps, iteration, start))
-    plot_curves(history, bc["success_rate"], bc["mean_return"], output_dir / "learning_curve.png")
-    summary = write_summary(config, bc, final, history, pretrained_state, start)
+    held_out = held_out_protocol(bc_policy, policy, config, executed, name="PPO")
+    plot_curves(history, baselines, output_dir / "learning_curve.png")
+    summary = write_summary(config, baselines, final, history, held_out, pretrained_state, start)
+    bc = baselines["BC (sampled)"]
     print(
-        f"BC success {bc['success_rate']:.1%} -> RL success {final['success_rate']:.1%} "
-        f"after {env_steps} env steps ({summary['wall_seconds'] / 60:.1f} min)"
+        f"curve seeds: BC success {bc['success_rate']:.1%} -> RL success "
+        f"{final['success_rate']:.1%} after {env_steps} env steps "
+        f"({summary['wall_seconds'] / 60:.1f} min)"
     )
+    print(f"held-out seeds: {held_out['line']}")
     return summary
 
 

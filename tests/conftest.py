@@ -1,4 +1,5 @@
-"""Shared test helpers: a closed-form Gaussian velocity field and a call-counting wrapper."""
+"""Shared test helpers: a closed-form Gaussian velocity field, a call-counting wrapper and the
+checks of an example's held-out protocol."""
 
 from __future__ import annotations
 
@@ -113,3 +114,34 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def assert_protocol_fields(summary: dict, stdout: str, name: str, reported: str) -> None:
+    """The held-out protocol of a ``--quick`` run (8 episodes) in its summary and last line."""
+    held_out = summary["held_out"]
+    assert (held_out["split"], held_out["seed"], held_out["num_episodes"]) == (
+        "held_out",
+        30_000,
+        8,
+    )
+    assert held_out["reported_decoding"] == reported
+    assert held_out["bc_best_decoding"] in ("sampled", "noise_free")
+    for group in ("bc", "rl"):
+        for decoding in ("sampled", "noise_free"):
+            entry = held_out["success"][group][decoding]
+            assert entry["low"] <= entry["rate"] <= entry["high"]
+            assert len(held_out["episode_success"][group][decoding]) == 8
+    assert held_out["success"]["expert"]["low"] <= held_out["success"]["expert"]["high"]
+    for name_of_difference in ("rl_minus_bc_best", "rl_minus_expert"):
+        for entry in held_out[name_of_difference].values():
+            assert entry["low"] <= entry["difference"] <= entry["high"]
+    assert list(summary["curve_baselines"]) == ["BC (sampled)", "BC (noise-free)", "expert"]
+    last_line = stdout.strip().splitlines()[-1]
+    assert last_line == f"held-out seeds: {held_out['line']}"
+    assert last_line.startswith(f"held-out seeds: {name} ({reported.replace('_', '-')}) ")
+
+
+@pytest.fixture
+def check_protocol_fields():
+    """:func:`assert_protocol_fields`, for the example tests."""
+    return assert_protocol_fields

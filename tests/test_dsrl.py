@@ -372,7 +372,7 @@ def quick_dsrl_command(tmp_path: Path, *options: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_dsrl_example_quick_run_and_resume(tmp_path):
+def test_dsrl_example_quick_run_and_resume(tmp_path, check_protocol_fields):
     common = quick_dsrl_command(tmp_path)
     result = subprocess.run(common, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -389,6 +389,7 @@ def test_dsrl_example_quick_run_and_resume(tmp_path):
     assert summary["history"][0]["updates"] == 0
     assert 0.0 <= summary["bc_noise_free_success"] <= 1.0
     assert (run / "csv" / "dsrl_seed0" / "scalars" / "loss" / "qvalue.csv").is_file()
+    check_protocol_fields(summary, result.stdout, "DSRL", "noise_free")
 
     # Resuming with a larger budget continues the counters and the history.
     result = subprocess.run(

@@ -91,13 +91,18 @@ def test_evaluate_checkpoints_at_several_noise_scales(tmp_path):
         "--eval_noise_scales", "1.0,0.0",
         "--uniform_noise_bounds", "0.3",
         "--eval_episodes", "3",
+        "--split", "curve",
+        "--expert",
         "--max_episode_steps", "12",
         "--eval_num_steps", "2",
         "--output_json", str(output),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads(output.read_text())["rows"]
+    written = json.loads(output.read_text())
+    assert written["seed"] == 10_000  # the curve split
+    expert, *rows = written["rows"]
+    assert expert["checkpoint"] == "expert" and len(expert["episode_success"]) == 3
     scales = [row.get("eval_noise_scale") for row in rows]
     assert scales == [1.0, 0.0, None, 1.0, 0.0, None]
     assert [row.get("uniform_noise_bound") for row in rows] == [None, None, 0.3] * 2
@@ -106,7 +111,9 @@ def test_evaluate_checkpoints_at_several_noise_scales(tmp_path):
     for first, second in zip(rows[:3], rows[3:], strict=True):
         assert first["mean_return"] == second["mean_return"]
     assert len({row["mean_return"] for row in rows[:3]}) == 3
-    assert "scale 0: success" in result.stdout
+    assert all(row["success_low"] <= row["success_rate"] <= row["success_high"] for row in rows)
+    assert "clean scripted expert: success" in result.stdout
+    assert re.search(r"scale 0: success [\d.]+% \[[\d.]+, [\d.]+\]", result.stdout)
     assert "uniform noise in [-0.3, 0.3]: success" in result.stdout
 
 

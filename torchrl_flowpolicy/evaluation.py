@@ -1,17 +1,43 @@
-"""Deterministic evaluation of a policy on a batch of seeded episodes."""
+"""Seeded evaluation of a policy on a batch of episodes, under either decoding.
+
+Every evaluation re-seeds the environments and torch's RNG (in a forked state) with its
+seed, so two checkpoints, or two decodings of one, evaluated with the same seed see the
+same initial states and the same initial noise: their per-episode outcomes are paired.
+Which seeds to use is the protocol's business (:mod:`~torchrl_flowpolicy.protocol`).
+
+**Decodings.** A flow policy is evaluated under two decodings (:func:`evaluate_decodings`):
+``"sampled"``, its deterministic ODE from ``x_0 ~ N(0, I)`` (the model's own chunk
+distribution), and ``"noise_free"``, the ODE from ``x_0 = 0``.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
 
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
+from torch import Tensor
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-__all__ = ["evaluate_policy", "episode_outcomes"]
+from torchrl_flowpolicy.policy import FlowSDEPolicy
+
+__all__ = [
+    "DECODINGS",
+    "episode_outcomes",
+    "evaluate_episodes",
+    "evaluate_policy",
+    "decoding",
+    "evaluate_decodings",
+]
+
+Decoding = Literal["sampled", "noise_free"]
+DECODINGS: tuple[Decoding, ...] = ("sampled", "noise_free")
 
 
 def episode_outcomes(
@@ -39,6 +65,39 @@ def episode_outcomes(
 
 
 @torch.no_grad()
+def evaluate_episodes(
+    policy: TensorDictModuleBase,
+    env: EnvBase,
+    *,
+    max_decisions: int,
+    seed: int,
+    exploration_type: ExplorationType = ExplorationType.DETERMINISTIC,
+    success_key: NestedKey = "success",
+) -> dict[str, Tensor]:
+    """Run one episode in each of ``env``'s batched environments; per-episode outcomes.
+
+    ``env`` is seeded with ``seed`` before its reset and torch's global RNG with ``seed``
+    inside a forked RNG state, so the same ``seed`` gives the same initial states and the
+    same policy noise (a flow policy's ``x_0``). The caller's random stream is left
+    untouched. Arguments as for :func:`evaluate_policy`.
+
+    Returns:
+        :func:`episode_outcomes` of the rollout: ``"return"``, ``"success"``, ``"length"``,
+        each ``[num_episodes]``.
+    """
+    env.set_seed(seed)
+    # The policy's own randomness (a flow policy's initial noise) is seeded too, in a forked
+    # RNG so that evaluating does not change the caller's random stream.
+    with torch.random.fork_rng(devices=[]), set_exploration_type(exploration_type):
+        torch.manual_seed(seed)
+        rollout = env.rollout(
+            max_decisions, policy, break_when_any_done=False, break_when_all_done=True
+        )
+    if rollout.ndim == 1:
+        rollout = rollout.unsqueeze(0)
+    return episode_outcomes(rollout, success_key)
+
+
 def evaluate_policy(
     policy: TensorDictModuleBase,
     env: EnvBase,
@@ -50,12 +109,10 @@ def evaluate_policy(
 ) -> dict[str, float]:
     """Run one episode in each of ``env``'s batched environments and summarise them.
 
-    ``env`` is seeded with ``seed`` before its reset and torch's global RNG with ``seed``
-    inside a forked RNG state, so the same ``seed`` gives the same initial states and the
-    same policy noise (a flow policy's ``x_0``): use a fixed evaluation seed to compare
-    checkpoints. The caller's random stream is left untouched. Under the default
-    DETERMINISTIC exploration a :class:`~torchrl_flowpolicy.FlowSDEPolicy` runs its ODE with
-    ``eval_num_steps``.
+    Seeded as :func:`evaluate_episodes`: use a fixed evaluation seed (one of the
+    :mod:`~torchrl_flowpolicy.protocol`'s splits) to compare checkpoints. Under the default DETERMINISTIC exploration a
+    :class:`~torchrl_flowpolicy.FlowSDEPolicy` runs its ODE with ``eval_num_steps`` from
+    ``x_0 = eval_noise_scale * N(0, I)``.
 
     Args:
         policy: the policy to evaluate.
@@ -72,20 +129,81 @@ def evaluate_policy(
         ``success_rate``, ``mean_return``, ``num_episodes`` and ``seconds``.
     """
     start = time.perf_counter()
-    env.set_seed(seed)
-    # The policy's own randomness (a flow policy's initial noise) is seeded too, in a forked
-    # RNG so that evaluating does not change the caller's random stream.
-    with torch.random.fork_rng(devices=[]), set_exploration_type(exploration_type):
-        torch.manual_seed(seed)
-        rollout = env.rollout(
-            max_decisions, policy, break_when_any_done=False, break_when_all_done=True
-        )
-    if rollout.ndim == 1:
-        rollout = rollout.unsqueeze(0)
-    outcomes = episode_outcomes(rollout, success_key)
+    outcomes = evaluate_episodes(
+        policy,
+        env,
+        max_decisions=max_decisions,
+        seed=seed,
+        exploration_type=exploration_type,
+        success_key=success_key,
+    )
     return {
         "success_rate": outcomes["success"].float().mean().item(),
         "mean_return": outcomes["return"].float().mean().item(),
         "num_episodes": int(outcomes["success"].numel()),
         "seconds": time.perf_counter() - start,
+    }
+
+
+@contextmanager
+def decoding(policy: FlowSDEPolicy, name: Decoding) -> Iterator[FlowSDEPolicy]:
+    """Set a flow policy's deterministic decoding within the block, then restore it.
+
+    ``"sampled"``: the ODE from ``x_0 ~ N(0, I)`` (``eval_noise_scale = 1``);
+    ``"noise_free"``: from ``x_0 = 0`` (``eval_noise_scale = 0``). Both draw the same
+    ``randn`` (scaled), so the random stream after a decision does not depend on the decoding.
+    """
+    if name not in DECODINGS:
+        raise ValueError(f"unknown decoding {name!r}: use one of {list(DECODINGS)}.")
+    previous = policy.eval_noise_scale
+    policy.eval_noise_scale = 1.0 if name == "sampled" else 0.0
+    try:
+        yield policy
+    finally:
+        policy.eval_noise_scale = previous
+
+
+def evaluate_decodings(
+    policy: TensorDictModuleBase,
+    env: EnvBase,
+    *,
+    max_decisions: int,
+    seed: int,
+    success_key: NestedKey = "success",
+) -> dict[Decoding, dict[str, Tensor]]:
+    """Evaluate ``policy`` under both decodings, on the same states and the same noise.
+
+    | policy | ``"sampled"`` | ``"noise_free"`` |
+    | --- | --- | --- |
+    | :class:`~torchrl_flowpolicy.FlowSDEPolicy` | ODE from ``x_0 ~ N(0, I)`` | ODE from ``x_0 = 0`` |
+    | any other (DSRL's noise actor) | RANDOM: the actor samples | DETERMINISTIC: its mean |
+
+    Returns:
+        ``{decoding: {"return", "success", "length"}}``, each ``[num_episodes]``
+        (:func:`evaluate_episodes`), episode ``i`` of both from the same initial state.
+
+    Examples:
+        >>> from torchrl_flowpolicy.envs import make_pusher_env
+        >>> from torchrl_flowpolicy.networks import MLPVelocityNetwork
+        >>> network = MLPVelocityNetwork(observation_dim=23, action_shape=(4, 7))
+        >>> policy = FlowSDEPolicy(network, action_shape=(4, 7), executed_chunk_length=2)
+        >>> env = make_pusher_env(3, executed_chunk_length=2, max_episode_steps=6)
+        >>> outcomes = evaluate_decodings(policy, env, max_decisions=3, seed=20_000)
+        >>> sorted(outcomes), outcomes["noise_free"]["success"].shape
+        (['noise_free', 'sampled'], torch.Size([3]))
+    """
+    options = {"max_decisions": max_decisions, "seed": seed, "success_key": success_key}
+    if isinstance(policy, FlowSDEPolicy):
+        outcomes = {}
+        for name in DECODINGS:
+            with decoding(policy, name):
+                outcomes[name] = evaluate_episodes(policy, env, **options)
+        return outcomes
+    return {
+        "sampled": evaluate_episodes(
+            policy, env, exploration_type=ExplorationType.RANDOM, **options
+        ),
+        "noise_free": evaluate_episodes(
+            policy, env, exploration_type=ExplorationType.DETERMINISTIC, **options
+        ),
     }

@@ -15,7 +15,7 @@ from torchrl_flowpolicy.envs.pusher import (
     make_pusher_env,
     object_goal_distance,
 )
-from torchrl_flowpolicy.envs.pusher_expert import PusherExpert
+from torchrl_flowpolicy.envs.pusher_expert import PusherExpert, PusherExpertPolicy
 
 __all__ = [
     "BatchedGymEnv",
@@ -23,6 +23,7 @@ __all__ = [
     "make_chunked_env",
     "decision_discount",
     "PusherExpert",
+    "PusherExpertPolicy",
     "PusherTask",
     "make_pusher_env",
     "collect_demos",

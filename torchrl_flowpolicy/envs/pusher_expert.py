@@ -2,8 +2,10 @@
 
 :class:`PusherExpert` reads the MuJoCo state of a gymnasium ``Pusher-v5`` environment and
 returns joint torques; :mod:`torchrl_flowpolicy.envs.demonstrations` rolls it out (with
-Gaussian action noise) to make the demonstrations the examples pretrain on. Its measured
-success rates are in :mod:`torchrl_flowpolicy.envs.pusher`.
+Gaussian action noise) to make the demonstrations the examples pretrain on, and
+:class:`PusherExpertPolicy` runs one expert per sub-environment of a batched TorchRL
+environment (the expert row of the evaluation protocol). Its measured success rates are in
+:mod:`torchrl_flowpolicy.envs.pusher`.
 """
 
 from __future__ import annotations
@@ -13,10 +15,15 @@ import math
 import gymnasium as gym
 import mujoco
 import numpy as np
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from torchrl.envs import EnvBase
 
+from torchrl_flowpolicy.envs.batched import BatchedGymEnv
 from torchrl_flowpolicy.envs.pusher import ACTION_HIGH, ACTION_LOW
 
-__all__ = ["PusherExpert"]
+__all__ = ["PusherExpert", "PusherExpertPolicy"]
 
 
 def _cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -319,3 +326,54 @@ class PusherExpert:
         return action
 
     __call__ = act
+
+
+class PusherExpertPolicy(TensorDictModuleBase):
+    """One :class:`PusherExpert` per sub-environment of a batched Pusher-v5 env, as a policy.
+
+    The experts read the simulators of ``env``'s :class:`~torchrl_flowpolicy.envs.BatchedGymEnv`
+    (not the observation), so this policy acts only in the environment it was built for:
+    ``make_pusher_env(N)`` without chunking (one action per step). Each expert restarts its
+    episode when its simulator's time goes back (a reset). A Python loop over the
+    sub-environments: the expert is a per-simulator controller, for evaluation only.
+
+    Args:
+        env: the batched environment whose base is a ``BatchedGymEnv`` of Pusher-v5.
+
+    Keyword Args:
+        action_noise: as for :class:`PusherExpert` (0, the default: the clean expert).
+        seed: seed of the noise generators (sub-environment ``i``: ``seed + i``).
+
+    Examples:
+        >>> from torchrl_flowpolicy.envs import make_pusher_env
+        >>> env = make_pusher_env(2, max_episode_steps=5)
+        >>> env.rollout(5, PusherExpertPolicy(env))["action"].shape
+        torch.Size([2, 5, 7])
+    """
+
+    def __init__(self, env: EnvBase, *, action_noise: float = 0.0, seed: int = 0):
+        super().__init__()
+        base = getattr(env, "base_env", env)
+        if not isinstance(base, BatchedGymEnv):
+            raise TypeError(
+                f"PusherExpertPolicy needs a BatchedGymEnv-based environment (make_pusher_env(N)), "
+                f"got {type(base).__name__}."
+            )
+        if env.action_spec.shape != (*env.batch_size, 7):
+            raise ValueError(
+                f"PusherExpertPolicy acts one step at a time: the action spec must be "
+                f"{(*env.batch_size, 7)}, got {tuple(env.action_spec.shape)} (a chunked env?)."
+            )
+        self.experts = [
+            PusherExpert(sub_env, action_noise=action_noise, seed=seed + index)
+            for index, sub_env in enumerate(base.envs)
+        ]
+        self.in_keys = ["observation"]
+        self.out_keys = ["action"]
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        actions = np.stack([expert.act() for expert in self.experts])
+        observation = tensordict.get("observation")
+        action = torch.as_tensor(actions, dtype=observation.dtype, device=observation.device)
+        tensordict.set("action", action.reshape(observation.shape[:-1] + (7,)))
+        return tensordict

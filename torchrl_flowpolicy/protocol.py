@@ -1,0 +1,271 @@
+"""The evaluation protocol: disjoint seed ranges, the expert beside the policies, intervals.
+
+**Seed ranges.** An evaluation of ``n`` episodes from seed ``s`` resets the environments of
+a batch with the seeds ``s, s + 1, ..., s + n - 1`` (a batched environment seeds its
+sub-environment ``i`` with ``s + i``) and seeds the policy's noise with ``s``
+(:func:`~torchrl_flowpolicy.evaluation.evaluate_episodes`). Three disjoint ranges of
+``SPLIT_SIZE = 10_000`` seeds, one per purpose:
+
+| split | reset seeds | used for |
+| --- | --- | --- |
+| ``"curve"`` | 10_000-19_999 | learning curves (a run's periodic evaluations, the pretraining's parity check) |
+| ``"validation"`` | 20_000-29_999 | choosing defaults, hyper-parameters, the reported decoding |
+| ``"held_out"`` | 30_000-39_999 | the final numbers only; nothing else uses it |
+
+Nothing else resets an environment with a seed in ``[10_000, 40_000)``:
+
+- Demonstrations (:func:`~torchrl_flowpolicy.envs.collect_demos`) reset episode ``i`` with
+  ``demo_seed * 1_000_003 + i``: ``0 ... n - 1`` for ``demo_seed = 0`` (below 10_000 for
+  ``n <= 10_000`` episodes), at least 1_000_003 for ``demo_seed >= 1``.
+- Training environments reset once with :func:`training_seed` (sub-environment ``i``:
+  ``seed + i < 10_000`` for a fresh run, at least 40_000 for a resumed one); their later
+  resets continue each sub-environment's own random stream and take no seed.
+
+**Protocol.** On the held-out split, :func:`protocol_summary` puts the pretrained (BC)
+policy's two decodings, the fine-tuned (RL) policy's two decodings
+(:func:`~torchrl_flowpolicy.evaluation.evaluate_decodings`) and the clean scripted expert
+(:func:`evaluate_expert`), all on the same episodes, side by side: success rates with Wilson
+95 % intervals, and RL's paired differences to BC's best decoding and to the expert with
+paired percentile-bootstrap intervals (:mod:`~torchrl_flowpolicy.statistics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from torch import Tensor
+
+from torchrl_flowpolicy.envs.pusher import (
+    DEFAULT_MAX_EPISODE_STEPS,
+    DEFAULT_SUCCESS_THRESHOLD,
+    RewardMode,
+    make_pusher_env,
+)
+from torchrl_flowpolicy.envs.pusher_expert import PusherExpertPolicy
+from torchrl_flowpolicy.evaluation import DECODINGS, Decoding, evaluate_episodes
+from torchrl_flowpolicy.statistics import paired_bootstrap_interval, wilson_interval
+
+__all__ = [
+    "CURVE_SEED",
+    "VALIDATION_SEED",
+    "HELD_OUT_SEED",
+    "SPLIT_SIZE",
+    "SPLIT_SEEDS",
+    "split_seed",
+    "training_seed",
+    "evaluate_expert",
+    "protocol_summary",
+    "format_protocol",
+]
+
+Split = Literal["curve", "validation", "held_out"]
+
+CURVE_SEED = 10_000
+"""First reset seed of the learning-curve evaluations."""
+VALIDATION_SEED = 20_000
+"""First reset seed of the validation evaluations (choosing defaults and hyper-parameters)."""
+HELD_OUT_SEED = 30_000
+"""First reset seed of the held-out evaluation (final numbers only)."""
+SPLIT_SIZE = 10_000
+"""Seeds per split: an evaluation holds at most this many episodes."""
+SPLIT_SEEDS: dict[Split, int] = {
+    "curve": CURVE_SEED,
+    "validation": VALIDATION_SEED,
+    "held_out": HELD_OUT_SEED,
+}
+
+
+def split_seed(split: Split, num_episodes: int) -> int:
+    """The first reset seed of ``split``, checking that ``num_episodes`` stay inside it.
+
+    Examples:
+        >>> split_seed("held_out", 200)
+        30000
+    """
+    if split not in SPLIT_SEEDS:
+        raise ValueError(f"unknown split {split!r}: use one of {list(SPLIT_SEEDS)}.")
+    if not 1 <= num_episodes <= SPLIT_SIZE:
+        raise ValueError(f"an evaluation holds 1 to {SPLIT_SIZE} episodes, got {num_episodes}.")
+    return SPLIT_SEEDS[split]
+
+
+def training_seed(seed: int, iteration: int, num_envs: int) -> int:
+    """The reset seed of a run's training environments when its collector starts.
+
+    A fresh run (``iteration = 0``) uses ``seed``; a run resumed at ``iteration`` uses
+    ``40_000 + seed + 1000 * iteration``, above every evaluation split.
+
+    Raises:
+        ValueError: when ``seed, ..., seed + num_envs - 1`` would reach the evaluation seeds.
+
+    Examples:
+        >>> training_seed(0, 0, 16), training_seed(0, 3, 16)
+        (0, 43000)
+    """
+    if not 0 <= seed <= CURVE_SEED - num_envs:
+        raise ValueError(
+            f"run seeds must lie in [0, {CURVE_SEED - num_envs}] so that the training "
+            f"environments never reset with an evaluation seed; got {seed}."
+        )
+    if iteration == 0:
+        return seed
+    return HELD_OUT_SEED + SPLIT_SIZE + seed + 1000 * iteration
+
+
+def evaluate_expert(
+    num_episodes: int,
+    *,
+    seed: int,
+    max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS,
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+    reward: RewardMode = "progress",
+) -> dict[str, Tensor]:
+    """The clean scripted expert (no action noise) on ``num_episodes`` seeded episodes.
+
+    It runs in :func:`~torchrl_flowpolicy.envs.make_pusher_env` ``(num_episodes)`` (one
+    action per step, the same task transform and reward), seeded as
+    :func:`~torchrl_flowpolicy.evaluation.evaluate_episodes`:
+    episode ``i`` starts from the state of reset seed ``seed + i``, the same as a policy's
+    episode ``i`` in a chunked environment of the same size.
+
+    Returns:
+        ``{"return", "success", "length"}``, each ``[num_episodes]``.
+    """
+    env = make_pusher_env(
+        num_episodes,
+        max_episode_steps=max_episode_steps,
+        success_threshold=success_threshold,
+        reward=reward,
+    )
+    try:
+        expert = PusherExpertPolicy(env)
+        return evaluate_episodes(expert, env, max_decisions=max_episode_steps, seed=seed)
+    finally:
+        env.close()
+
+
+def protocol_summary(
+    bc: Mapping[Decoding, Mapping[str, Tensor]],
+    rl: Mapping[Decoding, Mapping[str, Tensor]],
+    expert: Mapping[str, Tensor],
+    *,
+    reported_decoding: Decoding,
+    confidence: float = 0.95,
+    num_resamples: int = 10_000,
+    seed: int = 0,
+) -> dict:
+    """The protocol's numbers, JSON-able: BC and RL under both decodings beside the expert.
+
+    BC's *best* decoding is the one with the higher success rate (ties: the higher mean
+    return, then ``"sampled"``). For each RL decoding the paired differences
+    ``RL - BC best`` and ``RL - expert`` of the per-episode success are bounded with
+    :func:`~torchrl_flowpolicy.statistics.paired_bootstrap_interval`; the success rates with
+    :func:`~torchrl_flowpolicy.statistics.wilson_interval`. ``reported_decoding`` names the
+    RL decoding that is the headline (chosen beforehand, on validation states).
+
+    Args:
+        bc: the pretrained policy's outcomes per decoding, from
+            :func:`~torchrl_flowpolicy.evaluation.evaluate_decodings`.
+        rl: the fine-tuned policy's, on the same episodes.
+        expert: the expert's (:func:`evaluate_expert`), on the same episodes.
+
+    Keyword Args:
+        reported_decoding: the RL decoding of the headline.
+        confidence: the coverage of every interval.
+        num_resamples: bootstrap resamples.
+        seed: seed of the bootstrap.
+
+    Returns:
+        ``num_episodes``, ``confidence``, ``intervals`` (the methods, in words),
+        ``reported_decoding``, ``bc_best_decoding``; ``success`` and ``mean_return`` as
+        ``{"bc": {decoding: ...}, "rl": {decoding: ...}, "expert": ...}`` (a success entry is
+        ``{"rate", "low", "high"}``); ``rl_minus_bc_best`` and ``rl_minus_expert`` as
+        ``{decoding: {"difference", "low", "high"}}``; ``episode_success`` (0/1 lists in the
+        same layout), from which any further paired statistic can be computed.
+    """
+    if reported_decoding not in DECODINGS:
+        raise ValueError(f"unknown decoding {reported_decoding!r}: use one of {list(DECODINGS)}.")
+    shapes = {bc[name]["success"].shape for name in DECODINGS}
+    shapes |= {rl[name]["success"].shape for name in DECODINGS} | {expert["success"].shape}
+    if len(shapes) != 1:
+        raise ValueError(f"every evaluation must hold the same episodes; got shapes {shapes}.")
+
+    def layout(statistic: Callable[[Mapping[str, Tensor]], Any]) -> dict[str, Any]:
+        """``statistic`` of every evaluation: ``{"bc": {decoding: .}, "rl": {.}, "expert": .}``."""
+        return {
+            "bc": {name: statistic(bc[name]) for name in DECODINGS},
+            "rl": {name: statistic(rl[name]) for name in DECODINGS},
+            "expert": statistic(expert),
+        }
+
+    def success(outcomes: Mapping[str, Tensor]) -> dict[str, float]:
+        successes, trials = int(outcomes["success"].sum()), outcomes["success"].numel()
+        low, high = wilson_interval(successes, trials, confidence)
+        return {"rate": successes / trials, "low": low, "high": high}
+
+    def mean_return(outcomes: Mapping[str, Tensor]) -> float:
+        return outcomes["return"].double().mean().item()
+
+    def difference(first: Tensor, second: Tensor) -> dict[str, float]:
+        value, low, high = paired_bootstrap_interval(
+            first, second, confidence, num_resamples=num_resamples, seed=seed
+        )
+        return {"difference": value, "low": low, "high": high}
+
+    best = max(
+        DECODINGS,
+        key=lambda name: (success(bc[name])["rate"], mean_return(bc[name]), name == "sampled"),
+    )
+    return {
+        "num_episodes": int(expert["success"].numel()),
+        "confidence": confidence,
+        "intervals": (
+            "success rates: Wilson score interval; differences: paired percentile bootstrap "
+            f"over episodes ({num_resamples} resamples, seed {seed})"
+        ),
+        "reported_decoding": reported_decoding,
+        "bc_best_decoding": best,
+        "success": layout(success),
+        "mean_return": layout(mean_return),
+        "rl_minus_bc_best": {
+            name: difference(rl[name]["success"], bc[best]["success"]) for name in DECODINGS
+        },
+        "rl_minus_expert": {
+            name: difference(rl[name]["success"], expert["success"]) for name in DECODINGS
+        },
+        "episode_success": layout(lambda outcomes: outcomes["success"].int().tolist()),
+    }
+
+
+def format_protocol(summary: Mapping, name: str = "RL") -> str:
+    """One line: RL (reported decoding) against BC's best decoding and the expert.
+
+    Examples:
+        >>> import torch
+        >>> ones, zeros = torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.bool)
+        >>> outcomes = {"success": ones, "return": ones.float()}
+        >>> bc = {"sampled": {"success": zeros, "return": zeros.float()}, "noise_free": outcomes}
+        >>> summary = protocol_summary(bc, bc, outcomes, reported_decoding="noise_free")
+        >>> format_protocol(summary, "PPO")[:62]
+        'PPO (noise-free) 100.0% [51.0, 100.0] vs BC best (noise-free) '
+    """
+
+    def rate(entry: Mapping) -> str:
+        return f"{entry['rate']:.1%} [{100 * entry['low']:.1f}, {100 * entry['high']:.1f}]"
+
+    def points(entry: Mapping) -> str:
+        return (
+            f"{100 * entry['difference']:+.1f} points "
+            f"[{100 * entry['low']:+.1f}, {100 * entry['high']:+.1f}]"
+        )
+
+    reported, best = summary["reported_decoding"], summary["bc_best_decoding"]
+    success = summary["success"]
+    return (
+        f"{name} ({reported.replace('_', '-')}) {rate(success['rl'][reported])} vs BC best "
+        f"({best.replace('_', '-')}) {rate(success['bc'][best])}: "
+        f"{points(summary['rl_minus_bc_best'][reported])}; expert {rate(success['expert'])}: "
+        f"{points(summary['rl_minus_expert'][reported])} "
+        f"({summary['num_episodes']} episodes, {100 * summary['confidence']:.0f} % intervals)"
+    )
