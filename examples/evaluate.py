@@ -14,12 +14,18 @@ chunk ``x_0 = 0``. With ``uniform_noise_bounds`` it also decodes noise drawn uni
 anywhere in a DSRL noise box, before any training. With ``--expert`` the clean scripted
 expert runs on the same states. Every evaluation uses the same states and the same initial
 noise (paired). Prints one line per evaluation with its Wilson 95 % interval and writes
-them, with the per-episode successes, to ``output_json``.
+them, with the per-episode successes, to ``output_json``. With ``--baseline`` (a pretrained
+checkpoint) every checkpoint is also compared with it under the evaluation protocol
+(``torchrl_flowpolicy.protocol.protocol_summary``): both decodings of each, the expert on the
+same states, the paired differences to the baseline's best decoding and to the expert; this
+is the command behind the held-out numbers of ``docs/results.md``.
 
-Example::
+Examples::
 
     python examples/evaluate.py --split validation --expert \\
         --checkpoints outputs/pretrain_seed0/policy.pt,outputs/ppo_seed0/checkpoint.pt
+    python examples/evaluate.py --split held_out --eval_episodes 200 \\
+        --baseline outputs/pretrain/policy.pt --checkpoints outputs/ppo/checkpoint.pt
 """
 
 from __future__ import annotations
@@ -37,8 +43,13 @@ from tqdm import tqdm
 
 from torchrl_flowpolicy.dsrl import NoiseActionTransform
 from torchrl_flowpolicy.envs import make_pusher_env
-from torchrl_flowpolicy.evaluation import evaluate_episodes
-from torchrl_flowpolicy.protocol import evaluate_expert, split_seed
+from torchrl_flowpolicy.evaluation import evaluate_decodings, evaluate_episodes
+from torchrl_flowpolicy.protocol import (
+    evaluate_expert,
+    format_protocol,
+    protocol_summary,
+    split_seed,
+)
 
 from common import (
     decisions_per_episode,
@@ -67,6 +78,12 @@ class EvaluateConfig:
         "held_out (30000+, final numbers only)",
     )
     expert: bool = option(False, "also run the clean scripted expert on the same states")
+    baseline: str = option(
+        "", "a pretrained checkpoint: compare every checkpoint with it under the protocol"
+    )
+    reported_decoding: Literal["sampled", "noise_free"] = option(
+        "sampled", "with --baseline: the checkpoints' headline decoding (chosen on validation)"
+    )
     max_episode_steps: int = option(150, "Pusher-v5 horizon (env steps)")
     success_threshold: float = option(0.05, "final object-goal distance that counts as success, m")
     reward: Literal["progress", "gymnasium"] = option(
@@ -100,6 +117,28 @@ def evaluate_row(
     seed = split_seed(config.split, config.eval_episodes)
     outcomes = evaluate_episodes(actor, env, max_decisions=max_decisions, seed=seed)
     return report_row(outcomes, label, **row)
+
+
+def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> list[dict]:
+    """Each checkpoint against ``config.baseline`` under the protocol, on the split's seeds."""
+    seed = split_seed(config.split, config.eval_episodes)
+    baseline, model_config, _ = load_policy(
+        Path(config.baseline), eval_num_steps=config.eval_num_steps
+    )
+    executed = model_config.executed_chunk_length
+    env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
+    options = {"max_decisions": decisions_per_episode(config.max_episode_steps, executed)}
+    bc = evaluate_decodings(baseline, env, seed=seed, **options)
+    expert = evaluate_expert(config.eval_episodes, seed=seed, **task_options(config))
+    comparisons = []
+    for path in checkpoints:
+        policy, _, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
+        rl = evaluate_decodings(policy, env, seed=seed, **options)
+        summary = protocol_summary(bc, rl, expert, reported_decoding=config.reported_decoding)
+        tqdm.write(f"{path}: {format_protocol(summary)}")
+        comparisons.append({"checkpoint": path, "baseline": config.baseline, **summary})
+    env.close()
+    return comparisons
 
 
 def main(config: EvaluateConfig) -> list[dict]:
@@ -137,9 +176,10 @@ def main(config: EvaluateConfig) -> list[dict]:
             progress.update(1)
             noise_env.close()
     progress.close()
+    comparisons = compare_with_baseline(config, checkpoints) if config.baseline else []
     output = Path(config.output_json)
     output.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"config": asdict(config), "seed": seed, "rows": rows}
+    summary = {"config": asdict(config), "seed": seed, "rows": rows, "comparisons": comparisons}
     output.write_text(json.dumps(summary, indent=2))
     return rows
 

@@ -115,6 +115,19 @@ def test_evaluate_checkpoints_at_several_noise_scales(tmp_path):
     assert "clean scripted expert: success" in result.stdout
     assert re.search(r"scale 0: success [\d.]+% \[[\d.]+, [\d.]+\]", result.stdout)
     assert "uniform noise in [-0.3, 0.3]: success" in result.stdout
+    assert written["comparisons"] == []
+
+    # --baseline: the protocol against a pretrained checkpoint; against itself, every paired
+    # difference is exactly zero (same states, same noise), and the expert is the same run.
+    baseline = [*command, "--baseline", str(tmp_path / "policy.pt"), "--uniform_noise_bounds", ""]
+    result = subprocess.run(baseline, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    comparisons = json.loads(output.read_text())["comparisons"]
+    assert len(comparisons) == 2 and "vs BC best" in result.stdout
+    for comparison in comparisons:
+        for difference in comparison["rl_minus_bc_best"].values():
+            assert (difference["difference"], difference["low"], difference["high"]) == (0, 0, 0)
+        assert comparison["success"]["expert"]["rate"] == expert["success_rate"]
 
 
 def test_compare_runs_table_and_plot(tmp_path):
