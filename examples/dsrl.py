@@ -166,7 +166,6 @@ QUICK = {
     "checkpoint_every_env_steps": 600,
     "eval_episodes": 8,
     "held_out_episodes": 8,
-    "pretrain.demo_episodes": 12,
     "pretrain.train_steps": 150,
     "pretrain.eval_episodes": 8,
 }

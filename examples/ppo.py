@@ -2,7 +2,7 @@
 
 Pipeline: scripted-expert demonstrations -> flow-matching behaviour cloning
 (``examples/pretrain.py``, run first when its checkpoint is missing) -> PPO with the Flow-SDE
-sampler (K = 8, a = 0.5, mixed ODE/SDE) and ``DenoisingClipPPOLoss`` -> deterministic
+sampler (K = 8, a = 0.5, the last 4 steps stochastic) and ``DenoisingClipPPOLoss`` -> deterministic
 evaluation at K = 20 on the learning-curve seeds -> the evaluation protocol on held-out
 seeds (BC and PPO under both decodings, the clean scripted expert, 95 % intervals; see
 ``torchrl_flowpolicy.protocol``) -> learning-curve PNG and JSON summary.
@@ -85,7 +85,7 @@ class PPOConfig:
     num_steps: int = option(8, "K: denoising steps of rollouts and of the learner")
     eval_num_steps: int = option(20, "K of the deterministic evaluation ODE")
     sde_mode: Literal["mixed", "last", "all"] = option(
-        "mixed", "stochastic steps: one random step (mixed), the last num_sde_steps, all"
+        "last", "stochastic steps: one random step (mixed), the last num_sde_steps, all"
     )
     num_sde_steps: int = option(4, "stochastic steps for sde_mode=last")
     # PPO.
@@ -109,7 +109,7 @@ class PPOConfig:
         200, "final protocol episodes (held-out seeds 30000+: used by nothing else)"
     )
     reported_decoding: Literal["sampled", "noise_free"] = option(
-        "sampled",
+        "noise_free",
         "PPO's decoding reported on the held-out states (chosen on validation states, "
         "before looking at held-out numbers)",
     )
@@ -135,7 +135,6 @@ QUICK = {
     "eval_episodes": 8,
     "held_out_episodes": 8,
     "critic_warmup_iterations": 1,
-    "pretrain.demo_episodes": 12,
     "pretrain.train_steps": 150,
     "pretrain.eval_episodes": 8,
 }

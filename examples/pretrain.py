@@ -45,9 +45,11 @@ class PretrainConfig:
     seed: int = option(0, "seeds torch (initialisation, minibatches, flow-matching noise)")
     output_dir: str = option("outputs/pretrain", "where the checkpoint and summary go")
     demo_dir: str = option("outputs/demos", "demonstration cache (made by the scripted expert)")
-    demo_episodes: int = option(200, "scripted-expert episodes to clone")
+    demo_episodes: int = option(
+        5, "scripted-expert episodes to clone (few-shot: the start leaves RL real work)"
+    )
     demo_action_noise: float = option(
-        0.7, "std of the Gaussian noise on the expert's torques (imperfect demos)"
+        0.3, "std of the Gaussian noise on the expert's torques (imperfect demos)"
     )
     demo_seed: int = option(0, "seed of the demonstration episodes")
     max_episode_steps: int = option(150, "Pusher-v5 horizon (env steps)")

@@ -240,7 +240,7 @@ def test_quick_sets_defaults_and_keeps_explicit_options(examples_on_path):
     assert (quick.epochs, quick.total_env_steps, quick.pretrain.train_steps) == (2, 2400, 150)
     explicit = ppo.parse_args(["--quick", "--epochs", "3", "--pretrain.train_steps", "7"])
     assert (explicit.epochs, explicit.pretrain.train_steps) == (3, 7)
-    assert explicit.minibatch_size == 76 and explicit.pretrain.demo_episodes == 12
+    assert explicit.minibatch_size == 76 and explicit.pretrain.demo_episodes == 5  # default
     assert ppo.parse_args(["--quick", "--total_env_steps", "3000"]).total_env_steps == 3000
     # The same value as the full default, typed: kept too.
     assert ppo.parse_args(["--total_env_steps", "400000", "--quick"]).total_env_steps == 400_000
