@@ -82,7 +82,7 @@ def test_quick_run_is_killed_then_resumed(tmp_path, check_protocol_fields):
     assert summary["env_steps"] == total_iterations * 4 * 150
     assert 0.0 <= summary["bc_success"] <= 1.0 and 0.0 <= summary["rl_success"] <= 1.0
     assert "BC success" in resumed.stdout and "RL success" in resumed.stdout
-    check_protocol_fields(summary, resumed.stdout, "PPO", "sampled")
+    check_protocol_fields(summary, resumed.stdout, "PPO", "noise_free")  # the default
     plot = tmp_path / "ppo" / "learning_curve.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     state = load_checkpoint(checkpoint)
