@@ -3,7 +3,7 @@
 #
 # torch is installed first, pinned (an unpinned torch resolves to a multi-GB CUDA build). To
 # take the CPU build from a specific index, set TORCH_INDEX_URL, e.g.
-#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/run_tests.sh
+#   TORCH_INDEX_URL=<your CPU wheel index> bash scripts/run_tests.sh
 # PYTHON chooses the interpreter that creates .venv (default: python3.11, else python3).
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
