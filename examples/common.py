@@ -1,4 +1,4 @@
-"""What the Pusher-v5 examples share: the command line, the model, checkpoints, loggers and
+"""What the examples share: the command line, the model, checkpoints, loggers and
 the evaluation protocol (its baselines, its held-out numbers and their plot).
 
 Kept small on purpose: every example script still reads top to bottom; this module only
@@ -32,14 +32,15 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
+from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import Tensor, nn
-from torchrl.envs import EnvBase
+from torchrl.envs import EnvBase, StepCounter
 from torchrl.record.loggers import CSVLogger, WandbLogger
 
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint
-from torchrl_flowpolicy.envs import make_pusher_env
+from torchrl_flowpolicy.envs import TASKS, get_task, make_chunked_env
 from torchrl_flowpolicy.evaluation import evaluate_decodings
 from torchrl_flowpolicy.networks import (
     ActionExpertTransformer,
@@ -54,9 +55,6 @@ from torchrl_flowpolicy.protocol import (
     split_seed,
 )
 from torchrl_flowpolicy.statistics import wilson_interval
-
-OBSERVATION_DIM = 23
-ACTION_DIM = 7
 
 Config = TypeVar("Config")
 
@@ -78,6 +76,7 @@ def _add_options(
     prefix: str,
     quick: Mapping[str, Any],
     exclude: Collection[str],
+    task_defaults: Mapping[str, Mapping[str, Any]],
 ) -> None:
     """Add one option per field of ``config_class`` to ``group``; one more group per nested
     dataclass (argparse shows groups of the parser only, hence both)."""
@@ -89,11 +88,13 @@ def _add_options(
         help_text = item.metadata["help"].replace("%", "%%")
         if dataclasses.is_dataclass(kind):
             nested = parser.add_argument_group(f"--{name}.*", help_text)
-            _add_options(parser, nested, kind, f"{name}.", quick, exclude)
+            _add_options(parser, nested, kind, f"{name}.", quick, exclude, task_defaults)
             continue
         required = item.default is MISSING and item.default_factory is MISSING
         default = item.default_factory() if item.default_factory is not MISSING else item.default
         shown = "required" if required else f"default: {default}"
+        for task, values in task_defaults.items():
+            shown += f"; --task {task}: {values[name]}" if name in values else ""
         shown += f"; --quick: {quick[name]}" if name in quick else ""
         extra: dict[str, Any] = {"type": kind, "metavar": kind.__name__.upper()}
         if kind is bool:
@@ -119,9 +120,11 @@ def parse_config(
     *,
     description: str | None = None,
     quick: Mapping[str, Any] | None = None,
+    task_defaults: Mapping[str, Mapping[str, Any]] | None = None,
     exclude: Collection[str] = (),
 ) -> Config:
-    """The config of one run: ``config_class``'s defaults, then ``--quick``, then ``argv``.
+    """The config of one run: ``config_class``'s defaults, then those of the chosen
+    ``--task``, then ``--quick``, then ``argv``.
 
     Args:
         config_class: a dataclass whose fields (nested dataclasses too) are :func:`option`.
@@ -129,6 +132,8 @@ def parse_config(
         description: what ``--help`` prints first.
         quick: option name (``"epochs"``, ``"pretrain.train_steps"``) -> value of a short run;
             adds ``--quick``, which applies them where the command line names no value.
+        task_defaults: task name -> {option name -> value}: the defaults of a task other
+            than the config's default one (``--task lift`` applies ``task_defaults["lift"]``).
         exclude: option names left off the command line (they keep their defaults), e.g.
             the nested settings that a script sets itself.
     """
@@ -146,9 +151,14 @@ def parse_config(
             help="a short run of the whole chain (tests, smoke checks): smaller defaults, "
             "shown as '--quick: value'; options given on the command line are kept",
         )
-    _add_options(parser, parser, config_class, "", quick or {}, exclude)
+    _add_options(parser, parser, config_class, "", quick or {}, exclude, task_defaults or {})
     typed = vars(parser.parse_args(argv))  # only the options on the command line
-    values = {**(quick if typed.pop("quick", False) else {}), **typed}
+    task = typed.get("task", getattr(config_class, "task", None))
+    values = {
+        **(task_defaults or {}).get(task, {}),
+        **(quick if typed.pop("quick", False) else {}),
+        **typed,
+    }
     config = config_class(**{name: value for name, value in values.items() if "." not in name})
     for name, value in values.items():
         *parents, leaf = name.split(".")
@@ -161,12 +171,51 @@ def parse_config(
 
 # ----------------------------------------------------------------------------- task and model
 def task_options(config: Any) -> dict[str, Any]:
-    """The Pusher-v5 task settings of a config, as ``make_pusher_env`` keyword arguments."""
-    return {
-        "max_episode_steps": config.max_episode_steps,
-        "success_threshold": config.success_threshold,
-        "reward": config.reward,
-    }
+    """The task settings of a config (``config.task`` names the task), as keyword arguments
+    of the task's environment factory (:class:`~torchrl_flowpolicy.envs.tasks.Task`)."""
+    return get_task(config.task).options(config)
+
+
+def task_defaults(
+    extra: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """What ``--task NAME`` changes in a script's config: the task's own settings
+    (:attr:`~torchrl_flowpolicy.envs.tasks.Task.defaults`), then ``extra[NAME]`` (the
+    script's own per-task values)."""
+    extra = extra or {}
+    return {name: {**task.defaults, **extra.get(name, {})} for name, task in TASKS.items()}
+
+
+def make_task_env(
+    config: Any,
+    num_envs: int | None,
+    executed_chunk_length: int | None = None,
+    *,
+    count_steps: bool = False,
+) -> EnvBase:
+    """The environment of ``config.task`` with the config's task settings.
+
+    With ``count_steps``, TorchRL's :class:`~torchrl.envs.StepCounter` runs on every
+    environment step (before the chunking): a decision's ``("next", "step_count") -
+    "step_count"`` is the number of env steps it executed (:func:`env_steps`).
+    """
+    env = get_task(config.task).make_env(num_envs, None, **task_options(config))
+    if count_steps:
+        env.append_transform(StepCounter())
+    if executed_chunk_length is None:
+        return env
+    return make_chunked_env(env, executed_chunk_length)
+
+
+def env_steps(batch: TensorDictBase) -> int:
+    """The environment steps a batch of decisions executed (needs :func:`make_task_env`'s
+    ``count_steps``)."""
+    return int((batch["next", "step_count"] - batch["step_count"]).sum())
+
+
+def evaluate_task_expert(config: Any, num_episodes: int, seed: int) -> dict[str, Tensor]:
+    """The clean scripted expert of ``config.task`` on ``num_episodes`` seeded episodes."""
+    return evaluate_expert(num_episodes, seed=seed, task=config.task, **task_options(config))
 
 
 def decisions_per_episode(max_episode_steps: int, executed_chunk_length: int) -> int:
@@ -184,6 +233,13 @@ class ModelConfig:
     num_heads: int = option(4, "attention heads")
     num_layers: int = option(2, "decoder layers of the action expert")
     num_context_tokens: int = option(4, "context tokens computed once per decision")
+    # Set from the task by the pretraining (not command-line options).
+    observation_dim: int = option(23, "size of the task's observation (set from the task)")
+    action_dim: int = option(7, "size of one action (set from the task)")
+
+
+# The ModelConfig fields that come from the task, not from the command line.
+TASK_MODEL_FIELDS = ("observation_dim", "action_dim")
 
 
 def build_policy(
@@ -195,20 +251,20 @@ def build_policy(
     encoder = nn.Sequential(
         normalizer,
         ObservationEncoder(
-            OBSERVATION_DIM,
+            model_config.observation_dim,
             model_dim=model_config.model_dim,
             num_tokens=model_config.num_context_tokens,
         ),
     )
     expert = ActionExpertTransformer(
-        (model_config.chunk_length, ACTION_DIM),
+        (model_config.chunk_length, model_config.action_dim),
         model_dim=model_config.model_dim,
         num_heads=model_config.num_heads,
         num_layers=model_config.num_layers,
     )
     return FlowSDEPolicy(
         expert,
-        action_shape=(model_config.chunk_length, ACTION_DIM),
+        action_shape=(model_config.chunk_length, model_config.action_dim),
         encoder=encoder,
         executed_chunk_length=model_config.executed_chunk_length,
         **sampler,
@@ -228,7 +284,8 @@ def load_policy(path: Path, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig,
     and a ``"model_config"``); returns it, its config and the whole checkpoint."""
     state = load_checkpoint(path)
     model_config = ModelConfig(**state["model_config"])
-    normalizer = ObservationNormalizer(torch.zeros(OBSERVATION_DIM), torch.ones(OBSERVATION_DIM))
+    size = model_config.observation_dim
+    normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
     policy = build_policy(model_config, normalizer, **sampler)
     policy.load_state_dict(state["policy"])
     return policy, model_config, state
@@ -307,7 +364,7 @@ def curve_baselines(
     """The lines of the learning-curve plot, on the curve seeds: BC under both decodings and
     the clean expert (:func:`outcome_summary` each), printed. Leaves torch's RNG alone."""
     bc = evaluate_decodings(bc_policy, env, max_decisions=max_decisions, seed=CURVE_SEED)
-    expert = evaluate_expert(env.batch_size[0], seed=CURVE_SEED, **task_options(config))
+    expert = evaluate_task_expert(config, env.batch_size[0], CURVE_SEED)
     baselines = {
         "BC (sampled)": outcome_summary(bc["sampled"]),
         "BC (noise-free)": outcome_summary(bc["noise_free"]),
@@ -339,12 +396,12 @@ def held_out_protocol(
     """
     seed = split_seed("held_out", config.held_out_episodes)
     max_decisions = decisions_per_episode(config.max_episode_steps, executed_chunk_length)
-    env = make_pusher_env(config.held_out_episodes, executed_chunk_length, **task_options(config))
+    env = make_task_env(config, config.held_out_episodes, executed_chunk_length)
     options = {"max_decisions": max_decisions, "seed": seed}
     bc = evaluate_decodings(bc_policy, env, **options)
     rl = evaluate_decodings(rl_policy, env if rl_env is None else rl_env, **options)
     env.close()
-    expert = evaluate_expert(config.held_out_episodes, seed=seed, **task_options(config))
+    expert = evaluate_task_expert(config, config.held_out_episodes, seed)
     summary = protocol_summary(bc, rl, expert, reported_decoding=config.reported_decoding)
     return {"split": "held_out", "seed": seed, "line": format_protocol(summary, name), **summary}
 

@@ -60,26 +60,29 @@ from tqdm import tqdm  # noqa: E402
 
 from torchrl_flowpolicy import FlowSDEPolicy  # noqa: E402
 from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform  # noqa: E402
-from torchrl_flowpolicy.envs import decision_discount, make_pusher_env  # noqa: E402
+from torchrl_flowpolicy.envs import decision_discount, get_task  # noqa: E402
 from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
 from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed  # noqa: E402
 
 import pretrain  # noqa: E402
 from common import (  # noqa: E402
-    OBSERVATION_DIM,
     MetricLogger,
     ModelConfig,
     curve_baselines,
     decisions_per_episode,
     held_out_protocol,
     load_policy,
+    make_task_env,
     option,
     parse_config,
     plot_baselines,
     plot_success_band,
     resume_run,
     save_run,
-    task_options,
+    task_defaults,
+)
+from common import (
+    env_steps as count_env_steps,
 )
 
 
@@ -88,15 +91,23 @@ class DSRLConfig:
     """DSRL (SAC on the noise) settings; every field is a command-line option."""
 
     seed: int = option(0, "seeds torch, the environments and the pretraining when it runs")
+    task: Literal["pusher", "lift"] = option(
+        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift"
+    )
     output_dir: str = option("outputs/dsrl", "checkpoints, logs, plot and summary")
     pretrained_checkpoint: str = option(
         "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
     )
-    max_episode_steps: int = option(150, "Pusher-v5 horizon (env steps)")
-    success_threshold: float = option(0.05, "final object-goal distance that counts as success, m")
-    reward: Literal["progress", "gymnasium"] = option(
-        "progress", "Pusher reward: potential-based progress or gymnasium's own"
+    max_episode_steps: int = option(150, "horizon (env steps)")
+    success_threshold: float = option(
+        0.05, "pusher: final object-goal distance that counts as success, m"
     )
+    reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
+        "progress",
+        "pusher: potential-based progress or gymnasium's own; lift: 1 at success or "
+        "robosuite's shaped reward",
+    )
+    terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
     num_envs: int = option(16, "environments stepped in the collector's process")
     decisions_per_batch: int = option(2, "decisions per environment between two rounds of updates")
     total_env_steps: int = option(300_000, "environment steps of fine-tuning")
@@ -171,10 +182,24 @@ QUICK = {
 }
 
 
+# What --task lift changes (robosuite Lift), with the pretraining's own task defaults.
+RUN_DEFAULTS: dict[str, dict[str, Any]] = {
+    task: {f"pretrain.{name}": value for name, value in values.items()}
+    for task, values in pretrain.DEMO_DEFAULTS.items()
+}
+
+
 def parse_args(argv: list[str] | None = None) -> DSRLConfig:
     """The command line (``--help``) as a :class:`DSRLConfig`."""
-    exclude = [f"pretrain.{name}" for name in pretrain.RUN_SETTINGS]
-    return parse_config(DSRLConfig, argv, description=__doc__, quick=QUICK, exclude=exclude)
+    exclude = [f"pretrain.{name}" for name in (*pretrain.RUN_SETTINGS, *pretrain.EXCLUDE)]
+    return parse_config(
+        DSRLConfig,
+        argv,
+        description=__doc__,
+        quick=QUICK,
+        task_defaults=task_defaults(RUN_DEFAULTS),
+        exclude=exclude,
+    )
 
 
 def target_entropy_per_dim(config: DSRLConfig) -> float:
@@ -211,7 +236,7 @@ def make_actor(
     chunk_length, action_dim = policy.action_shape
     network = nn.Sequential(
         copy.deepcopy(policy.encoder[0]),  # the pretrained policy's observation normaliser
-        layer_norm_mlp(OBSERVATION_DIM, 2 * chunk_length * action_dim, config),
+        layer_norm_mlp(policy.encoder[0].loc.numel(), 2 * chunk_length * action_dim, config),
         nn.Unflatten(-1, (chunk_length, 2 * action_dim)),
         NormalParamExtractor(),  # [.., H, 2D] -> loc [.., H, D], scale [.., H, D]
     )
@@ -241,7 +266,7 @@ class NoiseQNetwork(nn.Module):
     def __init__(self, normalizer: nn.Module, noise_numel: int, config: DSRLConfig):
         super().__init__()
         self.normalizer = normalizer
-        self.mlp = layer_norm_mlp(OBSERVATION_DIM + noise_numel, 1, config)
+        self.mlp = layer_norm_mlp(normalizer.loc.numel() + noise_numel, 1, config)
 
     def forward(self, observation: Tensor, noise: Tensor) -> Tensor:
         features = torch.cat([self.normalizer(observation), noise.flatten(-2)], dim=-1)
@@ -254,7 +279,7 @@ def make_critic(policy: FlowSDEPolicy, config: DSRLConfig) -> ValueOperator:
     return ValueOperator(network, in_keys=["observation", "action"])
 
 
-def plot_curves(history: list[dict], baselines: dict[str, dict], path: Path) -> None:
+def plot_curves(history: list[dict], baselines: dict[str, dict], path: Path, title: str) -> None:
     """Success and return against environment steps, success against wall time, on the
     curve seeds; the baselines (BC under both decodings, the expert) as lines; success with
     Wilson 95 % bands."""
@@ -274,7 +299,7 @@ def plot_curves(history: list[dict], baselines: dict[str, dict], path: Path) -> 
         axis.grid(alpha=0.3)
         axis.legend()
     figure.suptitle(
-        f"Pusher-v5 DSRL: deterministic evaluation (mean noise, ODE K = 20) on "
+        f"{title} DSRL: deterministic evaluation (mean noise, ODE K = 20) on "
         f"{history[-1]['num_episodes']} curve episodes (seeds {CURVE_SEED}+), 95 % Wilson bands"
     )
     figure.tight_layout()
@@ -285,8 +310,9 @@ def plot_curves(history: list[dict], baselines: dict[str, dict], path: Path) -> 
 def make_noise_env(
     policy: FlowSDEPolicy, config: DSRLConfig, num_envs: int, executed_chunk_length: int
 ) -> EnvBase:
-    """``num_envs`` chunked Pusher-v5 envs whose action is the frozen policy's noise."""
-    env = make_pusher_env(num_envs, executed_chunk_length, **task_options(config))
+    """``num_envs`` chunked task envs whose action is the frozen policy's noise (counting
+    env steps)."""
+    env = make_task_env(config, num_envs, executed_chunk_length, count_steps=True)
     return env.append_transform(NoiseActionTransform(policy, noise_bound=config.noise_bound))
 
 
@@ -392,12 +418,8 @@ def dsrl_iteration(
     ``utd_ratio`` updates per collected decision (the fraction carried over in
     ``run.update_credit``), once the buffer holds the uniform-noise warm-up.
     """
-    executed = executed_chunk_length
-    max_decisions = decisions_per_episode(config.max_episode_steps, executed)
-    # The last decision of an episode executes only the rows left before the time limit.
-    last_decision_shortfall = max_decisions * executed - config.max_episode_steps
     done = batch["next", "done"].squeeze(-1)
-    new_env_steps = batch.numel() * executed - int(done.sum()) * last_decision_shortfall
+    new_env_steps = count_env_steps(batch)
     run.iteration += 1
     run.env_steps += new_env_steps
     window.env_steps += new_env_steps
@@ -415,7 +437,9 @@ def dsrl_iteration(
     replay_buffer.extend(batch.exclude(decoded, ("next", decoded)).reshape(-1))
 
     update_start = time.perf_counter()
-    if len(replay_buffer) >= max(config.random_env_steps // executed, config.batch_size):
+    if len(replay_buffer) >= max(
+        config.random_env_steps // executed_chunk_length, config.batch_size
+    ):
         run.update_credit += config.utd_ratio * batch.numel()
         while run.update_credit >= 1.0:
             run.update_credit -= 1.0
@@ -603,7 +627,7 @@ def main(config: DSRLConfig) -> dict:
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 
     # Baselines on the curve seeds (BC under both decodings, the expert); the noise envs.
-    bc_env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
+    bc_env = make_task_env(config, config.eval_episodes, executed)
     baselines = curve_baselines(policy, bc_env, max_decisions, config)
     bc_env.close()
     eval_env = make_noise_env(policy, config, config.eval_episodes, executed)
@@ -665,7 +689,9 @@ def main(config: DSRLConfig) -> dict:
     held_out_env = make_noise_env(policy, config, config.held_out_episodes, executed)
     held_out = held_out_protocol(policy, actor, config, executed, held_out_env, name="DSRL")
     held_out_env.close()
-    plot_curves(run.history, baselines, output_dir / "learning_curve.png")
+    plot_curves(
+        run.history, baselines, output_dir / "learning_curve.png", get_task(config.task).title
+    )
     summary = write_summary(config, baselines, run, held_out, pretrained_state, start)
     bc, final = baselines["BC (sampled)"], run.history[-1]
     print(

@@ -1,4 +1,5 @@
-"""Evaluate flow-policy checkpoints (and the scripted expert) on Pusher-v5 on one seed split.
+"""Evaluate flow-policy checkpoints (and the scripted expert) on one seed split of a task
+(Pusher-v5 by default, robosuite Lift with ``--task lift``).
 
 Loads each checkpoint (``examples/pretrain.py``'s ``policy.pt`` or ``examples/ppo.py``'s
 ``checkpoint.pt``: both store ``"policy"`` and ``"model_config"``), and runs
@@ -42,10 +43,8 @@ from torchrl.modules import RandomPolicy
 from tqdm import tqdm
 
 from torchrl_flowpolicy.dsrl import NoiseActionTransform
-from torchrl_flowpolicy.envs import make_pusher_env
 from torchrl_flowpolicy.evaluation import evaluate_decodings, evaluate_episodes
 from torchrl_flowpolicy.protocol import (
-    evaluate_expert,
     format_protocol,
     protocol_summary,
     split_seed,
@@ -53,11 +52,13 @@ from torchrl_flowpolicy.protocol import (
 
 from common import (
     decisions_per_episode,
+    evaluate_task_expert,
     load_policy,
+    make_task_env,
     option,
     outcome_summary,
     parse_config,
-    task_options,
+    task_defaults,
 )
 
 
@@ -65,6 +66,9 @@ from common import (
 class EvaluateConfig:
     """Evaluation settings; every field is a command-line option."""
 
+    task: Literal["pusher", "lift"] = option(
+        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift"
+    )
     checkpoints: str = option("outputs/pretrain/policy.pt", "comma-separated checkpoint paths")
     eval_noise_scales: str = option("1.0,0.0", "comma-separated initial-noise scales")
     uniform_noise_bounds: str = option(
@@ -84,11 +88,16 @@ class EvaluateConfig:
     reported_decoding: Literal["sampled", "noise_free"] = option(
         "sampled", "with --baseline: the checkpoints' headline decoding (chosen on validation)"
     )
-    max_episode_steps: int = option(150, "Pusher-v5 horizon (env steps)")
-    success_threshold: float = option(0.05, "final object-goal distance that counts as success, m")
-    reward: Literal["progress", "gymnasium"] = option(
-        "progress", "Pusher reward: potential-based progress or gymnasium's own"
+    max_episode_steps: int = option(150, "horizon (env steps)")
+    success_threshold: float = option(
+        0.05, "pusher: final object-goal distance that counts as success, m"
     )
+    reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
+        "progress",
+        "pusher: potential-based progress or gymnasium's own; lift: 1 at success or "
+        "robosuite's shaped reward",
+    )
+    terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
     output_json: str = option("outputs/evaluation.json", "where the rows are written")
     threads: int = option(1, "torch CPU threads")
 
@@ -126,10 +135,10 @@ def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> lis
         Path(config.baseline), eval_num_steps=config.eval_num_steps
     )
     executed = model_config.executed_chunk_length
-    env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
+    env = make_task_env(config, config.eval_episodes, executed)
     options = {"max_decisions": decisions_per_episode(config.max_episode_steps, executed)}
     bc = evaluate_decodings(baseline, env, seed=seed, **options)
-    expert = evaluate_expert(config.eval_episodes, seed=seed, **task_options(config))
+    expert = evaluate_task_expert(config, config.eval_episodes, seed)
     comparisons = []
     for path in checkpoints:
         policy, _, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
@@ -150,14 +159,14 @@ def main(config: EvaluateConfig) -> list[dict]:
     tqdm.write(f"split {config.split}: {config.eval_episodes} episodes from seed {seed}")
     rows = []
     if config.expert:
-        outcomes = evaluate_expert(config.eval_episodes, seed=seed, **task_options(config))
+        outcomes = evaluate_task_expert(config, config.eval_episodes, seed)
         rows.append(report_row(outcomes, "clean scripted expert", checkpoint="expert"))
     progress = tqdm(total=len(checkpoints) * (len(scales) + len(bounds)), desc="evaluations")
     for path in checkpoints:
         policy, model_config, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
         executed = model_config.executed_chunk_length
         max_decisions = decisions_per_episode(config.max_episode_steps, executed)
-        env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
+        env = make_task_env(config, config.eval_episodes, executed)
         for scale in scales:
             policy.eval_noise_scale = scale
             label = f"{path}  scale {scale:g}"
@@ -167,7 +176,7 @@ def main(config: EvaluateConfig) -> list[dict]:
         env.close()
         policy.eval_noise_scale = 1.0
         for bound in bounds:
-            noise_env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
+            noise_env = make_task_env(config, config.eval_episodes, executed)
             noise_env.append_transform(NoiseActionTransform(policy, noise_bound=bound))
             uniform = RandomPolicy(noise_env.full_action_spec)  # uniform over the box
             label = f"{path}  uniform noise in [-{bound:g}, {bound:g}]"
@@ -185,4 +194,4 @@ def main(config: EvaluateConfig) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(parse_config(EvaluateConfig, description=__doc__))
+    main(parse_config(EvaluateConfig, description=__doc__, task_defaults=task_defaults()))

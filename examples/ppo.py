@@ -1,4 +1,5 @@
-"""PPO fine-tuning of a pretrained flow policy on Pusher-v5: the library's main job.
+"""PPO fine-tuning of a pretrained flow policy: the library's main job (Pusher-v5; robosuite
+Lift with ``--task lift``).
 
 Pipeline: scripted-expert demonstrations -> flow-matching behaviour cloning
 (``examples/pretrain.py``, run first when its checkpoint is missing) -> PPO with the Flow-SDE
@@ -6,6 +7,10 @@ sampler (K = 8, a = 0.5, the last 4 steps stochastic) and ``DenoisingClipPPOLoss
 evaluation at K = 20 on the learning-curve seeds -> the evaluation protocol on held-out
 seeds (BC and PPO under both decodings, the clean scripted expert, 95 % intervals; see
 ``torchrl_flowpolicy.protocol``) -> learning-curve PNG and JSON summary.
+
+With ``--collector_workers N`` the rollouts run in ``N`` processes (TorchRL's
+``MultiSyncCollector``, ``num_envs / N`` environments each, the policy's weights sent to
+them after every update).
 
 ``main`` reads top to bottom: seed, pretrained policy, evaluation env and baselines (BC under
 both decodings, the expert), learner (critic, loss, optimisers), resume, collector, training
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -32,34 +38,37 @@ import torch  # noqa: E402
 from tensordict import TensorDictBase  # noqa: E402
 from tensordict.nn import TensorDictModule  # noqa: E402
 from torch import nn  # noqa: E402
-from torchrl.collectors import Collector  # noqa: E402
+from torchrl.collectors import Collector, MultiSyncCollector  # noqa: E402
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement  # noqa: E402
 from torchrl.envs.utils import ExplorationType  # noqa: E402
 from torchrl.objectives import ValueEstimators  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from torchrl_flowpolicy import FlowSDEPolicy  # noqa: E402
-from torchrl_flowpolicy.envs import decision_discount, make_pusher_env  # noqa: E402
+from torchrl_flowpolicy.envs import decision_discount, get_task  # noqa: E402
 from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
 from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed  # noqa: E402
 
 import pretrain  # noqa: E402
 from common import (  # noqa: E402
-    OBSERVATION_DIM,
     MetricLogger,
     ModelConfig,
     curve_baselines,
     decisions_per_episode,
     held_out_protocol,
     load_policy,
+    make_task_env,
     option,
     parse_config,
     plot_baselines,
     plot_success_band,
     resume_run,
     save_run,
-    task_options,
+    task_defaults,
+)
+from common import (
+    env_steps as count_env_steps,
 )
 
 
@@ -68,16 +77,27 @@ class PPOConfig:
     """PPO fine-tuning settings; every field is a command-line option."""
 
     seed: int = option(0, "seeds torch, the environments and the pretraining when it runs")
+    task: Literal["pusher", "lift"] = option(
+        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift"
+    )
     output_dir: str = option("outputs/ppo", "checkpoints, logs, plot and summary")
     pretrained_checkpoint: str = option(
         "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
     )
-    max_episode_steps: int = option(150, "Pusher-v5 horizon (env steps)")
-    success_threshold: float = option(0.05, "final object-goal distance that counts as success, m")
-    reward: Literal["progress", "gymnasium"] = option(
-        "progress", "Pusher reward: potential-based progress or gymnasium's own"
+    max_episode_steps: int = option(150, "horizon (env steps)")
+    success_threshold: float = option(
+        0.05, "pusher: final object-goal distance that counts as success, m"
     )
-    num_envs: int = option(16, "environments stepped in the collector's process")
+    reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
+        "progress",
+        "pusher: potential-based progress or gymnasium's own; lift: 1 at success or "
+        "robosuite's shaped reward",
+    )
+    terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
+    num_envs: int = option(16, "training environments (split evenly over the collector workers)")
+    collector_workers: int = option(
+        1, "collector processes (> 1: TorchRL's MultiSyncCollector, weights synced per update)"
+    )
     episodes_per_batch: int = option(1, "episodes per environment per PPO iteration")
     total_env_steps: int = option(400_000, "environment steps of fine-tuning")
     # Flow-SDE sampler (rollouts) and the evaluation ODE.
@@ -140,10 +160,27 @@ QUICK = {
 }
 
 
+# What --task lift changes (robosuite Lift, see torchrl_flowpolicy.envs.robosuite_tasks);
+# the pretraining's own task defaults come along.
+RUN_DEFAULTS: dict[str, dict[str, Any]] = {
+    task: {f"pretrain.{name}": value for name, value in values.items()}
+    for task, values in pretrain.DEMO_DEFAULTS.items()
+}
+
+
 def parse_args(argv: list[str] | None = None) -> PPOConfig:
     """The command line (``--help``) as a :class:`PPOConfig`."""
-    exclude = [f"pretrain.{name}" for name in pretrain.RUN_SETTINGS]
-    return parse_config(PPOConfig, argv, description=__doc__, quick=QUICK, exclude=exclude)
+    exclude = [f"pretrain.{name}" for name in pretrain.RUN_SETTINGS] + [
+        f"pretrain.{name}" for name in pretrain.EXCLUDE
+    ]
+    return parse_config(
+        PPOConfig,
+        argv,
+        description=__doc__,
+        quick=QUICK,
+        task_defaults=task_defaults(RUN_DEFAULTS),
+        exclude=exclude,
+    )
 
 
 def sampler_options(config: PPOConfig) -> dict[str, Any]:
@@ -162,7 +199,7 @@ def make_critic(policy: FlowSDEPolicy) -> TensorDictModule:
     normalizer = copy.deepcopy(policy.encoder[0])
     network = nn.Sequential(
         normalizer,
-        nn.Linear(OBSERVATION_DIM, 256),
+        nn.Linear(normalizer.loc.numel(), 256),
         nn.Tanh(),
         nn.Linear(256, 256),
         nn.Tanh(),
@@ -212,27 +249,58 @@ def make_learner(policy: FlowSDEPolicy, config: PPOConfig, executed_chunk_length
     return Learner(policy, critic, loss_module, actor_optimizer, critic_optimizer)
 
 
+def seeded_env(config: PPOConfig, num_envs: int, executed_chunk_length: int, seed: int):
+    """The chunked training env with ``num_envs`` sub-environments, seeded with ``seed``
+    (sub-environment ``i`` resets first with ``seed + i``) and counting env steps."""
+    env = make_task_env(config, num_envs, executed_chunk_length, count_steps=True)
+    env.set_seed(seed)
+    return env
+
+
 def make_collector(
     policy: FlowSDEPolicy,
     config: PPOConfig,
     executed_chunk_length: int,
     decisions_per_batch: int,
-    num_batches: int,
     seed: int,
-) -> Collector:
-    """``num_batches`` batches of ``decisions_per_batch`` decisions on ``num_envs`` envs.
+) -> Collector | MultiSyncCollector:
+    """An endless collector of ``decisions_per_batch`` decisions per batch on ``num_envs`` envs.
 
-    RANDOM exploration: the Flow-SDE sampler with K = ``num_steps``. The collector resets its
-    env when it is built, so the env is seeded first.
+    RANDOM exploration: the Flow-SDE sampler with K = ``num_steps``. With one worker, a
+    ``Collector`` in this process; with ``collector_workers = W``, a ``MultiSyncCollector``
+    whose worker ``w`` steps ``num_envs / W`` environments seeded from
+    ``seed + w * num_envs / W``: the same initial states as one process, batches
+    concatenated along the environment dimension, ``[num_envs, T]`` either way. Each env is
+    seeded before the collector's first reset.
     """
-    train_env = make_pusher_env(config.num_envs, executed_chunk_length, **task_options(config))
-    train_env.set_seed(seed)
-    return Collector(
-        train_env,
+    workers = config.collector_workers
+    if workers == 1:
+        return Collector(
+            seeded_env(config, config.num_envs, executed_chunk_length, seed),
+            policy,
+            frames_per_batch=decisions_per_batch,
+            total_frames=-1,
+            exploration_type=ExplorationType.RANDOM,
+        )
+    envs_per_worker = config.num_envs // workers
+    return MultiSyncCollector(
+        [
+            functools.partial(
+                seeded_env,
+                config,
+                envs_per_worker,
+                executed_chunk_length,
+                seed + w * envs_per_worker,
+            )
+            for w in range(workers)
+        ],
         policy,
         frames_per_batch=decisions_per_batch,
-        total_frames=num_batches * decisions_per_batch,
+        total_frames=-1,
         exploration_type=ExplorationType.RANDOM,
+        cat_results=0,
+        num_threads=config.threads,
+        num_sub_threads=1,
     )
 
 
@@ -369,7 +437,9 @@ def write_summary(
     return summary
 
 
-def plot_curves(history: list[dict], baselines: dict[str, dict[str, float]], path: Path) -> None:
+def plot_curves(
+    history: list[dict], baselines: dict[str, dict[str, float]], path: Path, title: str
+) -> None:
     """Success and return against environment steps on the curve seeds; the baselines (BC
     under both decodings, the expert) as lines; success with Wilson 95 % bands."""
     steps = [row["env_steps"] for row in history]
@@ -385,7 +455,7 @@ def plot_curves(history: list[dict], baselines: dict[str, dict[str, float]], pat
         axis.grid(alpha=0.3)
         axis.legend()
     figure.suptitle(
-        f"Pusher-v5: deterministic evaluation (ODE, K = 20) on {history[-1]['num_episodes']} "
+        f"{title}: deterministic evaluation (ODE, K = 20) on {history[-1]['num_episodes']} "
         f"curve episodes (seeds {CURVE_SEED}+), 95 % Wilson bands"
     )
     figure.tight_layout()
@@ -410,7 +480,7 @@ def main(config: PPOConfig) -> dict:
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 
     # Evaluation env (curve seeds), the baselines: BC under both decodings, the expert.
-    eval_env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
+    eval_env = make_task_env(config, config.eval_episodes, executed)
     baselines = curve_baselines(policy, eval_env, max_decisions, config)
 
     # Critic, loss, optimisers; resumed with the counters, history and RNG state if asked.
@@ -423,15 +493,11 @@ def main(config: PPOConfig) -> dict:
         history = json.loads(saved["history"])
         print(f"resumed from iteration {iteration} ({env_steps} env steps)")
 
-    # Collector (a batch: episodes_per_batch whole episodes per env), minibatch sampler, logger.
+    # Collector (a batch: episodes_per_batch full-length episodes' decisions per env),
+    # minibatch sampler, logger.
     decisions_per_batch = config.num_envs * config.episodes_per_batch * max_decisions
-    steps_per_batch = config.num_envs * config.episodes_per_batch * config.max_episode_steps
-    remaining_iterations = max((config.total_env_steps - env_steps) // steps_per_batch, 0)
-    last_iteration = iteration + remaining_iterations
     seed = training_seed(config.seed, iteration, config.num_envs)
-    collector = make_collector(
-        policy, config, executed, decisions_per_batch, remaining_iterations, seed
-    )
+    collector = make_collector(policy, config, executed, decisions_per_batch, seed)
     replay_buffer = ReplayBuffer(
         storage=LazyTensorStorage(decisions_per_batch),
         sampler=SamplerWithoutReplacement(),
@@ -439,16 +505,25 @@ def main(config: PPOConfig) -> dict:
     )
     log = MetricLogger(config.loggers, f"ppo_seed{config.seed}", output_dir, config).log
 
-    # Training loop: one PPO iteration per batch, evaluation, logging, checkpoints.
+    # Training loop: one PPO iteration per batch, evaluation, logging, checkpoints; until
+    # the env-step budget is spent (a batch's env steps: its decisions' executed rows).
     progress = tqdm(total=config.total_env_steps, initial=env_steps, desc="PPO env steps")
-    for batch in collector:
+    batches = iter(collector)
+    while env_steps < config.total_env_steps:
+        collected = time.perf_counter()
+        batch = next(batches)
+        collect_seconds = time.perf_counter() - collected
         iteration += 1
-        env_steps += steps_per_batch
+        batch_steps = count_env_steps(batch)
+        env_steps += batch_steps
         train_actor = iteration > config.critic_warmup_iterations
         row = ppo_iteration(learner, batch, replay_buffer, config, train_actor)
         collector.update_policy_weights_()
         row["iteration"] = iteration
-        if iteration % config.eval_every == 0 or iteration == last_iteration:
+        row["time/collect_seconds"] = collect_seconds
+        row["time/update_seconds"] = time.perf_counter() - collected - collect_seconds
+        last_iteration = env_steps >= config.total_env_steps
+        if iteration % config.eval_every == 0 or last_iteration:
             evaluation = evaluate_policy(
                 policy, eval_env, max_decisions=max_decisions, seed=CURVE_SEED
             )
@@ -459,7 +534,7 @@ def main(config: PPOConfig) -> dict:
         log({name.replace("loss_", "loss/"): value for name, value in row.items()}, env_steps)
         if iteration % config.checkpoint_every == 0:
             save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history)
-        progress.update(steps_per_batch)
+        progress.update(batch_steps)
     progress.close()
     collector.shutdown()
     save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history)
@@ -471,7 +546,7 @@ def main(config: PPOConfig) -> dict:
     if not history or history[-1]["env_steps"] != env_steps:
         history.append(evaluation_record(final, env_steps, iteration, start))
     held_out = held_out_protocol(bc_policy, policy, config, executed, name="PPO")
-    plot_curves(history, baselines, output_dir / "learning_curve.png")
+    plot_curves(history, baselines, output_dir / "learning_curve.png", get_task(config.task).title)
     summary = write_summary(config, baselines, final, history, held_out, pretrained_state, start)
     bc = baselines["BC (sampled)"]
     print(

@@ -1,4 +1,5 @@
-"""Behaviour cloning of a flow policy on scripted-expert demonstrations of Pusher-v5.
+"""Behaviour cloning of a flow policy on scripted-expert demonstrations (Pusher-v5 by
+default, robosuite Lift with ``--task lift``).
 
 Reads top to bottom: config, seed, demonstrations, model, loss, training loop, evaluation
 (deterministic ODE at K = 20 and at the RL step count K = 8: the parity check before RL),
@@ -22,18 +23,21 @@ from tqdm import tqdm
 
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.data import make_chunk_dataset
-from torchrl_flowpolicy.envs import load_or_collect_demos, make_pusher_env
+from torchrl_flowpolicy.envs import get_task, load_or_collect_demos
 from torchrl_flowpolicy.evaluation import evaluate_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.objectives import FlowMatchingLoss
 
 from common import (
+    TASK_MODEL_FIELDS,
     ModelConfig,
     build_policy,
     decisions_per_episode,
+    make_task_env,
     option,
     parse_config,
     save_policy,
+    task_defaults,
     task_options,
 )
 
@@ -43,6 +47,9 @@ class PretrainConfig:
     """Behaviour-cloning settings; every field is a command-line option."""
 
     seed: int = option(0, "seeds torch (initialisation, minibatches, flow-matching noise)")
+    task: Literal["pusher", "lift"] = option(
+        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift"
+    )
     output_dir: str = option("outputs/pretrain", "where the checkpoint and summary go")
     demo_dir: str = option("outputs/demos", "demonstration cache (made by the scripted expert)")
     demo_episodes: int = option(
@@ -52,11 +59,16 @@ class PretrainConfig:
         0.3, "std of the Gaussian noise on the expert's torques (imperfect demos)"
     )
     demo_seed: int = option(0, "seed of the demonstration episodes")
-    max_episode_steps: int = option(150, "Pusher-v5 horizon (env steps)")
-    success_threshold: float = option(0.05, "final object-goal distance that counts as success, m")
-    reward: Literal["progress", "gymnasium"] = option(
-        "progress", "Pusher reward: potential-based progress or gymnasium's own"
+    max_episode_steps: int = option(150, "horizon (env steps)")
+    success_threshold: float = option(
+        0.05, "pusher: final object-goal distance that counts as success, m"
     )
+    reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
+        "progress",
+        "pusher: potential-based progress or gymnasium's own; lift: 1 at success or "
+        "robosuite's shaped reward",
+    )
+    terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
     train_steps: int = option(3000, "optimiser steps")
     batch_size: int = option(256, "decisions per minibatch")
     learning_rate: float = option(3e-4, "AdamW learning rate")
@@ -71,7 +83,20 @@ class PretrainConfig:
 
 
 # The settings config_for_run takes from the fine-tuning run (not options of that run).
-RUN_SETTINGS = ("seed", "output_dir", "max_episode_steps", "success_threshold", "reward")
+RUN_SETTINGS = (
+    "seed",
+    "task",
+    "output_dir",
+    "max_episode_steps",
+    "success_threshold",
+    "reward",
+    "terminate_on_success",
+)
+
+# The demonstrations --task lift clones (with the task's own settings, common.task_defaults).
+DEMO_DEFAULTS: dict[str, dict[str, Any]] = {"lift": {"demo_episodes": 5, "demo_action_noise": 0.3}}
+# The model fields that come from the task are not command-line options.
+EXCLUDE = tuple(f"model.{name}" for name in TASK_MODEL_FIELDS)
 
 
 def config_for_run(run: Any) -> PretrainConfig:
@@ -83,9 +108,24 @@ def config_for_run(run: Any) -> PretrainConfig:
     return dataclasses.replace(
         run.pretrain,
         seed=run.seed,
+        task=run.task,
         output_dir=str(Path(run.pretrained_checkpoint).parent),
-        **task_options(run),
+        max_episode_steps=run.max_episode_steps,
+        success_threshold=run.success_threshold,
+        reward=run.reward,
+        terminate_on_success=run.terminate_on_success,
     )
+
+
+def demo_options(config: PretrainConfig) -> dict[str, Any]:
+    """The task settings of the demonstration set (:func:`load_or_collect_demos`)."""
+    options = task_options(config)
+    if config.task != "pusher":  # Pusher's demonstrations store gymnasium's reward
+        return {"task": config.task, **options}
+    return {
+        "max_episode_steps": options["max_episode_steps"],
+        "success_threshold": options["success_threshold"],
+    }
 
 
 def train(policy: FlowSDEPolicy, dataset: TensorDictBase, config: PretrainConfig) -> list[float]:
@@ -114,7 +154,7 @@ def train(policy: FlowSDEPolicy, dataset: TensorDictBase, config: PretrainConfig
 def evaluate_parity(policy: FlowSDEPolicy, config: PretrainConfig) -> dict[int, dict]:
     """Deterministic ODE on the fixed seeds at K = 20 (reported) and K = 8 (RL's K)."""
     executed = config.model.executed_chunk_length
-    env = make_pusher_env(config.eval_episodes, executed, **task_options(config))
+    env = make_task_env(config, config.eval_episodes, executed)
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
     results = {}
     for num_steps in (20, 8):
@@ -152,10 +192,9 @@ def main(config: PretrainConfig) -> dict:
             num_episodes=config.demo_episodes,
             action_noise=config.demo_action_noise,
             seed=config.demo_seed,
-            max_episode_steps=config.max_episode_steps,
-            success_threshold=config.success_threshold,
             directory=config.demo_dir,
             progress=demo_progress.update,
+            **demo_options(config),
         )
     print(f"demonstrations {'loaded from' if cached else 'written to'} {demo_file}")
     dataset = make_chunk_dataset(
@@ -166,7 +205,11 @@ def main(config: PretrainConfig) -> dict:
         f"expert success {demos['success'].float().mean().item():.1%}"
     )
 
-    # Model (observation statistics from the demonstrations), flow-matching training.
+    # Model (sized for the task; observation statistics from the demonstrations), training.
+    task = get_task(config.task)
+    config.model = dataclasses.replace(
+        config.model, observation_dim=task.observation_dim, action_dim=task.action_dim
+    )
     normalizer = ObservationNormalizer.from_data(dataset["observation"])
     policy = build_policy(config.model, normalizer)
     losses = train(policy, dataset, config)
@@ -192,4 +235,11 @@ def main(config: PretrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_config(PretrainConfig, description=__doc__))
+    main(
+        parse_config(
+            PretrainConfig,
+            description=__doc__,
+            task_defaults=task_defaults(DEMO_DEFAULTS),
+            exclude=EXCLUDE,
+        )
+    )

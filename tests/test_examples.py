@@ -73,13 +73,12 @@ def test_sampler_demo_last_steps(tmp_path):
 def test_evaluate_checkpoints_at_several_noise_scales(tmp_path):
     sys.path.insert(0, str(ROOT / "examples"))
     try:
-        from common import OBSERVATION_DIM, ModelConfig, build_policy, save_policy
+        from common import ModelConfig, build_policy, save_policy
 
         torch.manual_seed(0)
         model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
-        normalizer = ObservationNormalizer(
-            torch.zeros(OBSERVATION_DIM), torch.ones(OBSERVATION_DIM)
-        )
+        size = model_config.observation_dim
+        normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
         save_policy(tmp_path / "policy.pt", build_policy(model_config, normalizer), model_config)
     finally:
         sys.path.remove(str(ROOT / "examples"))

@@ -36,13 +36,8 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from torchrl_flowpolicy.envs.pusher import (
-    DEFAULT_MAX_EPISODE_STEPS,
-    DEFAULT_SUCCESS_THRESHOLD,
-    RewardMode,
-    make_pusher_env,
-)
-from torchrl_flowpolicy.envs.pusher_expert import PusherExpertPolicy
+from torchrl_flowpolicy.envs.pusher import DEFAULT_MAX_EPISODE_STEPS
+from torchrl_flowpolicy.envs.tasks import get_task
 from torchrl_flowpolicy.evaluation import DECODINGS, Decoding, evaluate_episodes
 from torchrl_flowpolicy.statistics import paired_bootstrap_interval, wilson_interval
 
@@ -117,29 +112,35 @@ def evaluate_expert(
     num_episodes: int,
     *,
     seed: int,
-    max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS,
-    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
-    reward: RewardMode = "progress",
+    task: str = "pusher",
+    **task_options: Any,
 ) -> dict[str, Tensor]:
     """The clean scripted expert (no action noise) on ``num_episodes`` seeded episodes.
 
-    It runs in :func:`~torchrl_flowpolicy.envs.make_pusher_env` ``(num_episodes)`` (one
-    action per step, the same task transform and reward), seeded as
-    :func:`~torchrl_flowpolicy.evaluation.evaluate_episodes`:
-    episode ``i`` starts from the state of reset seed ``seed + i``, the same as a policy's
-    episode ``i`` in a chunked environment of the same size.
+    It runs in the task's environment with ``num_episodes`` sub-environments and one action
+    per step (``get_task(task).make_env(num_episodes, None, **task_options)``: the same task
+    transform and reward as the policies'), seeded as
+    :func:`~torchrl_flowpolicy.evaluation.evaluate_episodes`: episode ``i`` starts from the
+    state of reset seed ``seed + i``, the same as a policy's episode ``i`` in a chunked
+    environment of the same size.
+
+    Args:
+        num_episodes: the number of episodes (one per sub-environment).
+
+    Keyword Args:
+        seed: the first reset seed.
+        task: the task's name (:func:`~torchrl_flowpolicy.envs.tasks.get_task`).
+        **task_options: the task's environment options (for ``"pusher"``:
+            ``max_episode_steps``, ``success_threshold``, ``reward``).
 
     Returns:
         ``{"return", "success", "length"}``, each ``[num_episodes]``.
     """
-    env = make_pusher_env(
-        num_episodes,
-        max_episode_steps=max_episode_steps,
-        success_threshold=success_threshold,
-        reward=reward,
-    )
+    spec = get_task(task)
+    max_episode_steps = task_options.get("max_episode_steps", DEFAULT_MAX_EPISODE_STEPS)
+    env = spec.make_env(num_episodes, None, **task_options)
     try:
-        expert = PusherExpertPolicy(env)
+        expert = spec.make_expert(env)
         return evaluate_episodes(expert, env, max_decisions=max_episode_steps, seed=seed)
     finally:
         env.close()

@@ -3,7 +3,10 @@
 The default task is split by concept: :mod:`~torchrl_flowpolicy.envs.pusher` (task facts,
 success test, :class:`PusherTask`, :func:`make_pusher_env`),
 :mod:`~torchrl_flowpolicy.envs.pusher_expert` (the scripted :class:`PusherExpert`) and
-:mod:`~torchrl_flowpolicy.envs.demonstrations` (collecting and caching its demonstrations).
+:mod:`~torchrl_flowpolicy.envs.demonstrations` (collecting and caching its demonstrations); :mod:`~torchrl_flowpolicy.envs.tasks` names the tasks the
+examples run (``"pusher"``, robosuite's ``"lift"``), whose robosuite parts
+(:mod:`~torchrl_flowpolicy.envs.robosuite_tasks`, :mod:`~torchrl_flowpolicy.envs.robosuite_experts`)
+are imported only when used.
 """
 
 from torchrl_flowpolicy.envs.batched import BatchedGymEnv
@@ -16,6 +19,7 @@ from torchrl_flowpolicy.envs.pusher import (
     object_goal_distance,
 )
 from torchrl_flowpolicy.envs.pusher_expert import PusherExpert, PusherExpertPolicy
+from torchrl_flowpolicy.envs.tasks import TASKS, Task, get_task
 
 __all__ = [
     "BatchedGymEnv",
@@ -30,4 +34,7 @@ __all__ = [
     "load_or_collect_demos",
     "object_goal_distance",
     "is_success",
+    "Task",
+    "TASKS",
+    "get_task",
 ]

@@ -127,17 +127,19 @@ def demos_path(
     action_noise: float,
     seed: int = 0,
     max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS,
+    *,
+    task: str = "pusher",
 ) -> Path:
     """Where :func:`load_or_collect_demos` caches a demonstration set.
 
-    ``{directory}/pusher_T{max_episode_steps}_action_noise{action_noise}_n{num_episodes}_seed{seed}.pt``
+    ``{directory}/{task}_T{max_episode_steps}_action_noise{action_noise}_n{num_episodes}_seed{seed}.pt``
 
     Examples:
         >>> demos_path("outputs/demos", 200, 0.7).name
         'pusher_T150_action_noise0.7_n200_seed0.pt'
     """
     return Path(directory) / (
-        f"pusher_T{max_episode_steps}_action_noise{action_noise:g}_n{num_episodes}_seed{seed}.pt"
+        f"{task}_T{max_episode_steps}_action_noise{action_noise:g}_n{num_episodes}_seed{seed}.pt"
     )
 
 
@@ -148,8 +150,10 @@ def load_or_collect_demos(
     max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS,
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
     *,
+    task: str = "pusher",
     directory: str | os.PathLike = "outputs/demos",
     progress: Callable[[int], None] | None = None,
+    **task_options: Any,
 ) -> tuple[dict[str, Any], Path, bool]:
     """Load a cached demonstration set, or collect it and cache it atomically.
 
@@ -165,17 +169,22 @@ def load_or_collect_demos(
         action_noise: as for :func:`collect_demos`.
         seed: as for :func:`collect_demos`.
         max_episode_steps: as for :func:`collect_demos`.
-        success_threshold: as for :func:`collect_demos`.
+        success_threshold: as for :func:`collect_demos` (``"pusher"`` only).
 
     Keyword Args:
+        task: the :class:`~torchrl_flowpolicy.envs.tasks.Task` whose expert makes the set
+            (default ``"pusher"``: :func:`collect_demos`); other tasks store their own
+            per-episode ``"success"`` flags.
         directory: the cache folder.
-        progress: forwarded to :func:`collect_demos` when collecting.
+        progress: forwarded to the collector when collecting.
+        **task_options: further options of the task's ``collect_demos`` (for ``"lift"``:
+            ``reward``, ``terminate_on_success``); part of the stored configuration.
 
     Returns:
         ``(demos, path, loaded)``: the dict described in :func:`collect_demos`, its file, and
         whether it came from the cache.
     """
-    path = demos_path(directory, num_episodes, action_noise, seed, max_episode_steps)
+    path = demos_path(directory, num_episodes, action_noise, seed, max_episode_steps, task=task)
     if path.exists():
         demos = torch.load(path, weights_only=True)
         stored = demos["config"]
@@ -184,6 +193,7 @@ def load_or_collect_demos(
             "action_noise": float(action_noise),
             "seed": seed,
             "max_episode_steps": max_episode_steps,
+            **task_options,
         }
         mismatched = {k: (stored.get(k), v) for k, v in expected.items() if stored.get(k) != v}
         if mismatched:
@@ -191,16 +201,30 @@ def load_or_collect_demos(
                 f"cached demos at {path} were collected with other settings "
                 f"(stored, requested): {mismatched}; delete the file or use another directory."
             )
-        demos["success"] = demos["final_distance"] < success_threshold
-        demos["config"]["success_threshold"] = float(success_threshold)
+        if task == "pusher":
+            demos["success"] = demos["final_distance"] < success_threshold
+            demos["config"]["success_threshold"] = float(success_threshold)
         return demos, path, True
-    demos = collect_demos(
-        num_episodes,
-        action_noise,
-        seed,
-        max_episode_steps,
-        success_threshold,
-        progress=progress,
-    )
+    if task == "pusher":
+        demos = collect_demos(
+            num_episodes,
+            action_noise,
+            seed,
+            max_episode_steps,
+            success_threshold,
+            progress=progress,
+        )
+    else:
+        from torchrl_flowpolicy.envs.tasks import get_task
+
+        demos = get_task(task).collect_demos(
+            num_episodes,
+            action_noise,
+            seed,
+            progress=progress,
+            max_episode_steps=max_episode_steps,
+            **task_options,
+        )
+        demos["config"].update(task=task, **task_options)
     atomic_write(path, functools.partial(torch.save, demos))
     return demos, path, False

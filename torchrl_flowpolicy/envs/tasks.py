@@ -1,0 +1,160 @@
+"""The tasks the examples train on, by name: ``"pusher"`` (the default) and ``"lift"``.
+
+A :class:`Task` gathers what a script needs to know about a task without knowing which one
+it is: the sizes of its observation and action, the keyword options its environment factory
+takes, and three factories (the environment, its scripted expert as a policy, the expert's
+demonstrations). :func:`get_task` returns one by name. The robosuite task is imported only
+when one of its factories runs, so ``import torchrl_flowpolicy`` never needs robosuite.
+
+| name | environment | expert | observation | action |
+| --- | --- | --- | --- | --- |
+| ``"pusher"`` | :func:`~torchrl_flowpolicy.envs.make_pusher_env` | :class:`~torchrl_flowpolicy.envs.PusherExpertPolicy` | 23 | 7 joint torques |
+| ``"lift"`` | ``make_robosuite_env(task="Lift")`` | ``LiftExpert`` | 60 | 7 (OSC pose delta + gripper) |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensordict.nn import TensorDictModuleBase
+from torchrl.envs import EnvBase
+
+from torchrl_flowpolicy.envs.demonstrations import collect_demos
+from torchrl_flowpolicy.envs.pusher import make_pusher_env
+from torchrl_flowpolicy.envs.pusher_expert import PusherExpertPolicy
+
+__all__ = ["Task", "TASKS", "get_task"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """What the example scripts need to know about a task.
+
+    Attributes:
+        name: the task's name on the command line (``--task``).
+        title: how plots and logs name it.
+        observation_dim: the size of the flat ``"observation"`` vector.
+        action_dim: the size of one action (a chunk is ``[H', action_dim]``).
+        option_names: the keyword options of ``make_env`` (and of ``collect_demos``) that a
+            run's config sets, e.g. ``("max_episode_steps", "success_threshold", "reward")``.
+        make_env: ``make_env(num_envs, executed_chunk_length, **options)``: the TorchRL
+            environment (``num_envs=None``: unbatched; ``executed_chunk_length=None``: one
+            action per step). It writes ``"success"`` on every step.
+        make_expert: ``make_expert(env, action_noise=0.0, seed=0)``: the scripted expert as a
+            policy of ``make_env(N, None, **options)`` (one action per step).
+        collect_demos: ``collect_demos(num_episodes, action_noise, seed, *, progress=None,
+            **options)``: the noisy expert's demonstrations, the dict layout of
+            :func:`~torchrl_flowpolicy.envs.collect_demos`.
+        defaults: the values of ``option_names`` that a run of this task starts from.
+    """
+
+    name: str
+    title: str
+    observation_dim: int
+    action_dim: int
+    option_names: tuple[str, ...]
+    make_env: Callable[..., EnvBase]
+    make_expert: Callable[..., TensorDictModuleBase]
+    collect_demos: Callable[..., dict[str, Any]]
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def options(self, config: Any) -> dict[str, Any]:
+        """The task's options read from a run config (an object with those attributes)."""
+        return {name: getattr(config, name) for name in self.option_names}
+
+
+# ----------------------------------------------------------------------------- pusher
+def _pusher_expert(env: EnvBase, action_noise: float = 0.0, seed: int = 0) -> TensorDictModuleBase:
+    return PusherExpertPolicy(env, action_noise=action_noise, seed=seed)
+
+
+def _pusher_demos(
+    num_episodes: int,
+    action_noise: float,
+    seed: int = 0,
+    *,
+    progress: Callable[[int], None] | None = None,
+    max_episode_steps: int,
+    success_threshold: float,
+    reward: str = "progress",
+) -> dict[str, Any]:
+    # The demonstrations store gymnasium's reward; the task's reward is recomputed by the env.
+    del reward
+    return collect_demos(
+        num_episodes,
+        action_noise,
+        seed,
+        max_episode_steps,
+        success_threshold,
+        progress=progress,
+    )
+
+
+# ----------------------------------------------------------------------------- robosuite
+def _lift_env(
+    num_envs: int | None = None, executed_chunk_length: int | None = None, **options: Any
+) -> EnvBase:
+    from torchrl_flowpolicy.envs.robosuite_tasks import make_robosuite_env
+
+    return make_robosuite_env(num_envs, executed_chunk_length, task="Lift", **options)
+
+
+def _lift_expert(env: EnvBase, action_noise: float = 0.0, seed: int = 0) -> TensorDictModuleBase:
+    from torchrl_flowpolicy.envs.robosuite_experts import LiftExpert, RobosuiteExpertPolicy
+
+    return RobosuiteExpertPolicy(env, LiftExpert(action_noise=action_noise, seed=seed))
+
+
+def _lift_demos(
+    num_episodes: int,
+    action_noise: float,
+    seed: int = 0,
+    *,
+    progress: Callable[[int], None] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    from torchrl_flowpolicy.envs.robosuite_experts import collect_robosuite_demos
+
+    return collect_robosuite_demos(
+        num_episodes, action_noise, seed, task="Lift", progress=progress, **options
+    )
+
+
+TASKS: dict[str, Task] = {
+    "pusher": Task(
+        name="pusher",
+        title="Pusher-v5",
+        observation_dim=23,
+        action_dim=7,
+        option_names=("max_episode_steps", "success_threshold", "reward"),
+        make_env=make_pusher_env,
+        make_expert=_pusher_expert,
+        collect_demos=_pusher_demos,
+        defaults={"max_episode_steps": 150, "success_threshold": 0.05, "reward": "progress"},
+    ),
+    "lift": Task(
+        name="lift",
+        title="robosuite Lift (Panda)",
+        observation_dim=60,
+        action_dim=7,
+        option_names=("max_episode_steps", "reward", "terminate_on_success"),
+        make_env=_lift_env,
+        make_expert=_lift_expert,
+        collect_demos=_lift_demos,
+        defaults={"max_episode_steps": 80, "reward": "success", "terminate_on_success": True},
+    ),
+}
+
+
+def get_task(name: str) -> Task:
+    """The :class:`Task` called ``name`` (one of :data:`TASKS`).
+
+    Examples:
+        >>> get_task("pusher").observation_dim
+        23
+    """
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}: use one of {sorted(TASKS)}.")
+    return TASKS[name]
