@@ -6,6 +6,11 @@ fast simulator such as MuJoCo that bookkeeping dominates. This environment keeps
 plain gymnasium environments, steps them in one Python loop over NumPy arrays and pays the
 TensorDict cost once per batched step (see ``benchmarks/bench_envs.py`` for the ratio).
 
+The environments come from a gymnasium id or from a zero-argument factory (a picklable
+``functools.partial`` lets multi-process collectors build the batch in their workers), and
+``info_keys`` turns boolean entries of gymnasium's ``info`` dict (e.g. a task's ``"success"``)
+into ``[N, 1]`` bool entries of the observation.
+
 It honours TorchRL's partial-step (``"_step"``) and partial-reset (``"_reset"``) masks, so
 :class:`~torchrl_flowpolicy.envs.ChunkedAction` can stop the sub-environments that finish
 mid-chunk, and collectors can reset the finished ones.
@@ -13,13 +18,15 @@ mid-chunk, and collectors can reset the finished ones.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torchrl.data import Bounded, Categorical, Composite, Unbounded
+from torchrl.data import Binary, Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
 __all__ = ["BatchedGymEnv"]
@@ -32,42 +39,87 @@ class BatchedGymEnv(EnvBase):
     with ``seed + i`` at its next reset (the convention of TorchRL's batched environments);
     later resets continue each sub-environment's own random stream.
 
+    Info entries. For each name in ``info_keys`` the environment writes a ``[N, 1]`` bool
+    entry (a :class:`~torchrl.data.Binary` observation spec) read from ``info[name]`` of each
+    sub-environment's step; at a reset it is ``info[name]`` of the reset info when present,
+    else ``False``. A step whose info lacks a requested name is an error.
+
     Args:
-        env_id: the gymnasium id, e.g. ``"Pusher-v5"``.
+        env_id: the gymnasium id, e.g. ``"Pusher-v5"``, or a zero-argument callable that
+            returns a new ``gymnasium.Env`` (called ``num_envs`` times).
         num_envs: the batch size.
 
     Keyword Args:
+        info_keys: names of boolean ``info`` entries to expose (e.g. ``("success",)``).
         device: the TorchRL device (tensors are made on the CPU, then moved).
-        **make_kwargs: forwarded to ``gymnasium.make`` (e.g. ``max_episode_steps``).
+        **make_kwargs: forwarded to ``gymnasium.make`` (e.g. ``max_episode_steps``); only
+            with a gymnasium id (a factory takes its settings itself).
 
     Examples:
         >>> env = BatchedGymEnv("Pusher-v5", 3, max_episode_steps=10)
         >>> env.rollout(4)["next", "observation"].shape
         torch.Size([3, 4, 23])
+        >>> import functools
+        >>> factory = functools.partial(gym.make, "Pusher-v5", max_episode_steps=10)
+        >>> BatchedGymEnv(factory, 2).rollout(4)["next", "observation"].shape
+        torch.Size([2, 4, 23])
     """
 
     batch_locked = True
 
     def __init__(
         self,
-        env_id: str,
+        env_id: str | Callable[[], gym.Env],
         num_envs: int,
         *,
+        info_keys: Sequence[str] = (),
         device: torch.device | str | None = None,
         **make_kwargs: Any,
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}.")
+        if isinstance(info_keys, str):
+            raise TypeError(
+                f"info_keys must be a sequence of names, got the string {info_keys!r}; "
+                f"write info_keys=({info_keys!r},)."
+            )
+        info_keys = tuple(info_keys)
+        reserved = {"observation", "reward", "done", "terminated", "truncated"}
+        clashing = sorted(reserved.intersection(info_keys))
+        if clashing or len(set(info_keys)) != len(info_keys):
+            raise ValueError(
+                f"info_keys must be distinct and differ from {sorted(reserved)}, got {info_keys}."
+            )
+        if isinstance(env_id, str):
+            make_env = functools.partial(gym.make, env_id, **make_kwargs)
+        elif callable(env_id):
+            if make_kwargs:
+                raise ValueError(
+                    f"make_kwargs {sorted(make_kwargs)} are only for a gymnasium id; bind them "
+                    f"in the factory instead (e.g. functools.partial(factory, ...))."
+                )
+            make_env = env_id
+        else:
+            raise TypeError(
+                f"env_id must be a gymnasium id or a zero-argument factory returning a "
+                f"gymnasium.Env, got {type(env_id).__name__}."
+            )
         super().__init__(batch_size=torch.Size([num_envs]), device=device)
         self.env_id = env_id
-        self.envs = [gym.make(env_id, **make_kwargs) for _ in range(num_envs)]
+        self.info_keys = info_keys
+        self.envs = [make_env() for _ in range(num_envs)]
+        if not all(isinstance(env, gym.Env) for env in self.envs):
+            raise TypeError(
+                f"the factory must return gymnasium.Env instances, got "
+                f"{type(self.envs[0]).__name__}."
+            )
         observation_space = self.envs[0].observation_space
         action_space = self.envs[0].action_space
         if not isinstance(observation_space, gym.spaces.Box) or not isinstance(
             action_space, gym.spaces.Box
         ):
             raise TypeError(
-                f"BatchedGymEnv needs Box observation and action spaces; {env_id} has "
+                f"BatchedGymEnv needs Box observation and action spaces; {env_id!r} has "
                 f"{type(observation_space).__name__} and {type(action_space).__name__}."
             )
         batch = (num_envs,)
@@ -77,6 +129,10 @@ class BatchedGymEnv(EnvBase):
             ),
             shape=batch,
         )
+        for key in info_keys:
+            self.observation_spec[key] = Binary(
+                n=1, shape=batch + (1,), dtype=torch.bool, device=self.device
+            )
         self.action_spec = Bounded(
             low=torch.as_tensor(action_space.low, dtype=torch.float32).expand(
                 batch + action_space.shape
@@ -96,6 +152,7 @@ class BatchedGymEnv(EnvBase):
             shape=batch,
         )
         self._observation = np.zeros((num_envs, *observation_space.shape), dtype=np.float32)
+        self._info = np.zeros((num_envs, len(info_keys)), dtype=bool)
         self._seeds: list[int | None] = [None] * num_envs
 
     def _set_seed(self, seed: int | None) -> None:
@@ -114,9 +171,11 @@ class BatchedGymEnv(EnvBase):
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
         for index in np.flatnonzero(self._mask(tensordict, "_reset")):
-            observation, _ = self.envs[index].reset(seed=self._seeds[index])
+            observation, info = self.envs[index].reset(seed=self._seeds[index])
             self._seeds[index] = None
             self._observation[index] = observation
+            for column, key in enumerate(self.info_keys):
+                self._info[index, column] = bool(info.get(key, False))
         false = torch.zeros((len(self.envs), 1), dtype=torch.bool)
         return TensorDict(
             {
@@ -124,9 +183,25 @@ class BatchedGymEnv(EnvBase):
                 "done": false,
                 "terminated": false.clone(),
                 "truncated": false.clone(),
+                **self._info_entries(),
             },
             batch_size=self.batch_size,
         ).to(self.device)
+
+    def _info_entries(self) -> dict[str, torch.Tensor]:
+        return {
+            key: torch.from_numpy(self._info[:, column : column + 1].copy())
+            for column, key in enumerate(self.info_keys)
+        }
+
+    def _read_info(self, index: int, info: dict[str, Any]) -> None:
+        for column, key in enumerate(self.info_keys):
+            if key not in info:
+                raise KeyError(
+                    f"BatchedGymEnv(info_keys={self.info_keys}): sub-environment {index}'s step "
+                    f"info has no {key!r} entry (it has {sorted(info)})."
+                )
+            self._info[index, column] = bool(info[key])
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         action = tensordict.get("action").detach().cpu().numpy()
@@ -135,10 +210,11 @@ class BatchedGymEnv(EnvBase):
         terminated = np.zeros((num_envs, 1), dtype=bool)
         truncated = np.zeros((num_envs, 1), dtype=bool)
         for index in np.flatnonzero(self._mask(tensordict, "_step")):
-            observation, step_reward, step_terminated, step_truncated, _ = self.envs[index].step(
+            observation, step_reward, step_terminated, step_truncated, info = self.envs[index].step(
                 action[index]
             )
             self._observation[index] = observation
+            self._read_info(index, info)
             reward[index] = step_reward
             terminated[index] = step_terminated
             truncated[index] = step_truncated
@@ -149,6 +225,7 @@ class BatchedGymEnv(EnvBase):
                 "done": torch.from_numpy(terminated | truncated),
                 "terminated": torch.from_numpy(terminated),
                 "truncated": torch.from_numpy(truncated),
+                **self._info_entries(),
             },
             batch_size=self.batch_size,
         ).to(self.device)

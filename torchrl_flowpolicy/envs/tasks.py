@@ -143,7 +143,7 @@ TASKS: dict[str, Task] = {
         make_env=_lift_env,
         make_expert=_lift_expert,
         collect_demos=_lift_demos,
-        defaults={"max_episode_steps": 80, "reward": "success", "terminate_on_success": True},
+        defaults={"max_episode_steps": 60, "reward": "success", "terminate_on_success": True},
     ),
 }
 

@@ -1,0 +1,334 @@
+"""robosuite Lift: the gymnasium adapter, the TorchRL environments, the expert and its demos.
+
+Covers :mod:`torchrl_flowpolicy.envs.robosuite_tasks` and
+:mod:`~torchrl_flowpolicy.envs.robosuite_experts`. Skipped when robosuite is not installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("robosuite")
+
+from torchrl.envs.utils import check_env_specs  # noqa: E402
+
+from torchrl_flowpolicy.envs.batched import BatchedGymEnv  # noqa: E402
+from torchrl_flowpolicy.envs.robosuite_experts import (  # noqa: E402
+    LiftExpert,
+    RobosuiteExpertPolicy,
+    collect_robosuite_demos,
+)
+from torchrl_flowpolicy.envs.robosuite_tasks import (  # noqa: E402
+    DEFAULT_MAX_EPISODE_STEPS,
+    OBSERVATION_SLICES,
+    RobosuiteGymEnv,
+    make_robosuite_env,
+)
+
+LIFT = OBSERVATION_SLICES["Lift"]
+# Lift's success: the cube's centre more than 0.04 m above the table top (z = 0.8 m).
+LIFTED_HEIGHT = 0.84
+
+
+def run_expert(env: RobosuiteGymEnv, seed: int, steps: int, expert: LiftExpert | None = None):
+    """Reset with ``seed`` and run the expert; returns the per-step transitions."""
+    expert = expert or LiftExpert()
+    observation, _ = env.reset(seed=seed)
+    transitions = []
+    for _ in range(steps):
+        observation, reward, terminated, truncated, info = env.step(expert.act(observation))
+        transitions.append((observation, reward, terminated, truncated, info))
+        if terminated or truncated:
+            break
+    return transitions
+
+
+@pytest.fixture(scope="module")
+def lift_env() -> RobosuiteGymEnv:
+    return RobosuiteGymEnv("Lift", max_episode_steps=DEFAULT_MAX_EPISODE_STEPS)
+
+
+# ----------------------------------------------------------------------------- gymnasium adapter
+def test_observation_layout_matches_robosuite(lift_env):
+    observation, info = lift_env.reset(seed=0)
+    assert observation.shape == (60,) and observation.dtype == np.float32
+    assert info == {"success": False}
+    raw = lift_env.robosuite_env._get_observations()
+    for name in ("cube_pos", "cube_quat", "gripper_to_cube_pos"):
+        np.testing.assert_array_equal(observation[LIFT[name]], raw[name].astype(np.float32))
+    for name in ("joint_pos", "joint_vel", "eef_pos", "eef_quat", "gripper_qpos", "gripper_qvel"):
+        np.testing.assert_array_equal(
+            observation[LIFT[name]], raw[f"robot0_{name}"].astype(np.float32)
+        )
+    assert lift_env.action_space.shape == (7,)
+
+
+def test_pick_place_can_layout():
+    env = RobosuiteGymEnv("PickPlaceCan")
+    layout = OBSERVATION_SLICES["PickPlaceCan"]
+    observation, _ = env.reset(seed=0)
+    assert observation.shape == (64,)
+    assert not observation[layout["can_to_eef_pos"]].any()  # robosuite's reset quirk
+    observation = env.step(np.zeros(7))[0]
+    raw = env.robosuite_env._get_observations()
+    for name, key in (("can_pos", "Can_pos"), ("can_to_eef_pos", "Can_to_robot0_eef_pos")):
+        np.testing.assert_array_equal(observation[layout[name]], raw[key].astype(np.float32))
+    np.testing.assert_array_equal(
+        observation[layout["gripper_qvel"]], raw["robot0_gripper_qvel"].astype(np.float32)
+    )
+
+
+def test_horizon_end_is_truncated_not_terminated():
+    env = RobosuiteGymEnv("Lift", max_episode_steps=4)
+    env.reset(seed=0)
+    outcomes = [env.step(np.zeros(7))[2:4] for _ in range(4)]
+    assert outcomes == [(False, False)] * 3 + [(False, True)]
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step(np.zeros(7))
+    # The same through TorchRL: done and truncated, not terminated, at the 4th step.
+    batched = make_robosuite_env(2, max_episode_steps=4)
+    rollout = batched.rollout(4, break_when_any_done=False)
+    assert rollout["next", "truncated"].squeeze(-1).tolist() == [[False] * 3 + [True]] * 2
+    assert torch.equal(rollout["next", "done"], rollout["next", "truncated"])
+    assert not rollout["next", "terminated"].any()
+
+
+def test_terminates_on_success_only_when_asked(lift_env):
+    transitions = run_expert(lift_env, seed=0, steps=DEFAULT_MAX_EPISODE_STEPS)
+    *before, last = transitions
+    assert last[2] and not last[3] and last[4]["success"] and last[1] == 1.0
+    assert not any(t[2] or t[3] or t[4]["success"] or t[1] for t in before)
+
+    env = RobosuiteGymEnv(
+        "Lift", max_episode_steps=len(transitions) + 5, terminate_on_success=False
+    )
+    transitions = run_expert(env, seed=0, steps=len(transitions) + 5)
+    assert len(transitions) == len(before) + 6
+    assert not any(t[2] for t in transitions) and transitions[-1][3]
+    successes = [t[4]["success"] for t in transitions]
+    assert successes[len(before)] and sum(successes) >= 2
+    # reward="success": 1 on the first successful step only.
+    assert [t[1] for t in transitions] == [float(i == len(before)) for i in range(len(transitions))]
+
+
+def test_shaped_reward_is_robosuites_staged_reward():
+    env = RobosuiteGymEnv("Lift", reward="shaped")
+    transitions = run_expert(env, seed=0, steps=DEFAULT_MAX_EPISODE_STEPS)
+    rewards = np.array([t[1] for t in transitions])
+    assert transitions[-1][2] and rewards[-1] == 1.0
+    # Before success: (reaching in [0, 1] + 0.25 when grasping) / 2.25, rising as it reaches.
+    assert (rewards[:-1] > 0).all() and (rewards[:-1] <= 1.25 / 2.25).all()
+    assert rewards[-2] > rewards[0]
+
+
+def test_success_entry_is_the_tasks_own_check():
+    env = RobosuiteGymEnv("Lift", max_episode_steps=40, terminate_on_success=False)
+    expert = LiftExpert()
+    observation, _ = env.reset(seed=3)
+    flags = []
+    for _ in range(40):
+        observation, _, _, _, info = env.step(expert.act(observation))
+        assert info["success"] == bool(env.robosuite_env._check_success())
+        assert info["success"] == (observation[LIFT["cube_pos"]][2] > LIFTED_HEIGHT)
+        flags.append(info["success"])
+    assert not flags[0] and flags[-1]
+
+
+def test_same_seed_same_initial_state_bit_for_bit(lift_env):
+    first, _ = lift_env.reset(seed=5)
+    actions = np.random.default_rng(0).uniform(-1, 1, size=(5, 7))
+    trajectory = [lift_env.step(action)[0] for action in actions]
+    # Another instance, whose robosuite generators have moved on, reset with the same seed.
+    other = RobosuiteGymEnv("Lift")
+    run_expert(other, seed=11, steps=10)
+    other.reset()
+    again, _ = other.reset(seed=5)
+    np.testing.assert_array_equal(again, first)
+    np.testing.assert_array_equal(np.stack([other.step(a)[0] for a in actions]), trajectory)
+    # Different seeds: different cube positions (and robot noise); reseeding repeats.
+    positions = [lift_env.reset(seed=seed)[0][LIFT["cube_pos"]][:2] for seed in (5, 6, 7, 5)]
+    assert (
+        np.abs(positions[0] - positions[1]).min() > 0
+        and np.abs(positions[1] - positions[2]).min() > 0
+    )
+    np.testing.assert_array_equal(positions[3], positions[0])
+
+
+def test_batched_env_seeds_and_pickles():
+    env = make_robosuite_env(2, max_episode_steps=6)
+    env.set_seed(3)
+    first = env.reset()["observation"]
+    env.rollout(3, break_when_any_done=False)
+    env.set_seed(3)
+    torch.testing.assert_close(env.reset()["observation"], first, rtol=0, atol=0)
+    assert not torch.equal(first[0], first[1])
+    # The factory that BatchedGymEnv calls pickles (multi-process collectors need it).
+    factory = pickle.loads(pickle.dumps(functools.partial(RobosuiteGymEnv, "Lift")))
+    assert factory().observation_space.shape == (60,)
+
+
+def test_specs_single_batched_and_chunked():
+    for num_envs, chunk in ((None, None), (2, None), (2, 4)):
+        env = make_robosuite_env(num_envs, chunk, max_episode_steps=10)
+        check_env_specs(env)
+        batch = () if num_envs is None else (num_envs,)
+        assert env.observation_spec["observation"].shape == (*batch, 60)
+        assert env.observation_spec["success"].shape == (*batch, 1)
+        assert env.observation_spec["success"].dtype == torch.bool
+        assert env.action_spec.shape == ((*batch, 7) if chunk is None else (*batch, chunk, 7))
+
+
+def test_batched_info_keys_are_read_from_info():
+    env = BatchedGymEnv(functools.partial(RobosuiteGymEnv, "Lift"), 1, info_keys=("success",))
+    env.set_seed(2)
+    policy = RobosuiteExpertPolicy(env, LiftExpert())
+    rollout = env.rollout(DEFAULT_MAX_EPISODE_STEPS, policy)
+    success = rollout["next", "success"].squeeze(-1)
+    lifted = rollout["next", "observation"][..., LIFT["cube_pos"]][..., 2] > LIFTED_HEIGHT
+    assert torch.equal(success, lifted) and success[0, -1]
+    assert torch.equal(rollout["next", "terminated"].squeeze(-1), success)
+    assert not rollout["success"].any()  # at the reset and before the last step
+    with pytest.raises(ValueError, match="make_kwargs"):
+        BatchedGymEnv(functools.partial(RobosuiteGymEnv, "Lift"), 1, max_episode_steps=3)
+    with pytest.raises(TypeError, match="sequence"):
+        BatchedGymEnv("Pusher-v5", 1, info_keys="success")
+
+
+# ----------------------------------------------------------------------------- expert and demos
+def test_expert_lifts_the_cube_clean(lift_env):
+    lengths = []
+    for seed in (100, 101, 102):
+        transitions = run_expert(lift_env, seed=seed, steps=DEFAULT_MAX_EPISODE_STEPS)
+        assert transitions[-1][4]["success"], f"seed {seed}"
+        lengths.append(len(transitions))
+    assert max(lengths) <= 35  # measured: 24 steps on average, at most 29
+
+
+def test_expert_is_batched_and_stateless():
+    env = RobosuiteGymEnv("Lift")
+    observations = np.stack([env.reset(seed=seed)[0] for seed in range(3)])
+    batched = LiftExpert().clean_action(observations.reshape(3, 1, 60))
+    assert batched.shape == (3, 1, 7)
+    for index in range(3):
+        np.testing.assert_allclose(
+            batched[index, 0], LiftExpert().clean_action(observations[index])
+        )
+    noisy = LiftExpert(action_noise=0.5, seed=0)
+    action = noisy.act(observations)
+    assert np.abs(action).max() <= 1 and not np.allclose(action, noisy.last_clean_action)
+    with pytest.raises(ValueError, match="60 features"):
+        LiftExpert().clean_action(np.zeros((2, 23)))
+    with pytest.raises(ValueError, match="action_noise"):
+        LiftExpert(action_noise=-0.1)
+
+
+def test_demo_collection_layout():
+    demos = collect_robosuite_demos(3, action_noise=0.3, seed=2, max_episode_steps=50)
+    lengths = demos["episode_length"]
+    total = int(lengths.sum())
+    assert demos["observation"].shape == (total, 60) and demos["observation"].dtype == torch.float32
+    for key in ("action", "expert_action"):
+        assert demos[key].shape == (total, 7) and demos[key].dtype == torch.float32
+    assert demos["action"].abs().max() <= 1 and not torch.equal(
+        demos["action"], demos["expert_action"]
+    )
+    assert demos["reward"].shape == demos["episode"].shape == demos["step"].shape == (total,)
+    assert torch.equal(demos["episode"], torch.arange(3).repeat_interleave(lengths))
+    assert torch.equal(demos["step"], torch.cat([torch.arange(int(n)) for n in lengths]))
+    assert demos["episode_seed"].tolist() == [2 * 1_000_003 + i for i in range(3)]
+    assert demos["success"].dtype == torch.bool and demos["success"].all()
+    assert lengths.max() < 50  # success ended every episode before the time limit
+    # reward="success": each episode's return is its success.
+    returns = torch.zeros(3).index_add_(0, demos["episode"], demos["reward"])
+    assert torch.equal(returns, demos["success"].float())
+    assert demos["config"]["action_noise"] == 0.3 and demos["config"]["wall_time_s"] > 0
+    # The first observation of an episode is its seeded reset.
+    env = RobosuiteGymEnv("Lift")
+    first = env.reset(seed=2 * 1_000_003 + 1)[0]
+    start = int(lengths[0])
+    np.testing.assert_array_equal(demos["observation"][start].numpy(), first)
+
+
+def test_expert_policy_in_batched_env():
+    env = make_robosuite_env(2)
+    env.set_seed(0)
+    policy = RobosuiteExpertPolicy(env, LiftExpert())
+    rollout = env.rollout(40, policy, break_when_any_done=False)
+    assert rollout["action"].shape == (2, 40, 7)
+    # Each sub-environment succeeds within 40 steps; the rollout resets it and it goes on.
+    success = rollout["next", "success"].squeeze(-1)
+    assert success.any(-1).all()
+    assert torch.equal(rollout["next", "terminated"].squeeze(-1), success)
+
+
+# ----------------------------------------------------------------------------- errors
+def test_clear_errors():
+    with pytest.raises(ValueError, match="unknown robosuite task"):
+        RobosuiteGymEnv("Stack")
+    with pytest.raises(ValueError, match="unknown robosuite task"):
+        make_robosuite_env(2, task="lift")
+    with pytest.raises(ValueError, match="reward"):
+        RobosuiteGymEnv("Lift", reward="dense")
+    with pytest.raises(ValueError, match="reward"):
+        make_robosuite_env(2, reward="sparse")
+    with pytest.raises(ValueError, match="max_episode_steps"):
+        RobosuiteGymEnv("Lift", horizon=100)
+    with pytest.raises(ValueError, match="render_mode"):
+        RobosuiteGymEnv("Lift", render_mode="human")
+    with pytest.raises(ValueError, match="no scripted expert"):
+        collect_robosuite_demos(1, 0.0, task="PickPlaceCan")
+    chunked = make_robosuite_env(2, executed_chunk_length=4, max_episode_steps=8)
+    with pytest.raises(ValueError, match="chunked"):
+        RobosuiteExpertPolicy(chunked, LiftExpert())
+    env = RobosuiteGymEnv("Lift")
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="shape"):
+        env.step(np.zeros(6))
+    with pytest.raises(ValueError, match="finite"):
+        env.step(np.full(7, np.nan))
+    with pytest.raises(RuntimeError, match="render_mode"):
+        env.render()
+
+
+# ----------------------------------------------------------------------------- rendering
+def test_rendering_is_upright_rgb():
+    try:
+        env = RobosuiteGymEnv(
+            "Lift",
+            render_mode="rgb_array",
+            camera_name="frontview",
+            render_height=96,
+            render_width=128,
+        )
+        env.reset(seed=0)
+        frame = env.render()
+    except Exception as error:  # no EGL / OpenGL on this machine
+        pytest.skip(f"offscreen rendering unavailable: {error!r}")
+    from robosuite.utils.camera_utils import (
+        get_camera_transform_matrix,
+        project_points_from_world_to_camera,
+    )
+
+    assert frame.shape == (96, 128, 3) and frame.dtype == np.uint8
+    assert frame.std() > 10
+    # The red cube is where the camera model projects it in an upright image, and not at
+    # the mirrored row (a vertically flipped frame would fail here).
+    sim = env.robosuite_env.sim
+    transform = get_camera_transform_matrix(sim, "frontview", 96, 128)
+    cube = env.robosuite_env.sim.data.body_xpos[env.robosuite_env.cube_body_id]
+    row, column = project_points_from_world_to_camera(cube, transform, 96, 128)
+
+    def is_red(pixel: np.ndarray) -> bool:
+        red, green, blue = pixel.astype(int)
+        return red > 80 and red > 2 * green and red > 2 * blue
+
+    assert is_red(frame[row, column])
+    assert not is_red(frame[96 - 1 - row, column])
+    # Rendering keeps working after resets (no hard reset).
+    env.reset(seed=1)
+    assert env.render().std() > 10
