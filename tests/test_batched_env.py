@@ -80,3 +80,19 @@ def test_rejects_non_box_spaces():
         BatchedGymEnv("CartPole-v1", 2)
     with pytest.raises(ValueError, match="num_envs"):
         BatchedGymEnv(ENV_ID, 0)
+
+
+def test_a_skipped_sub_environment_reports_its_last_done_flags():
+    # Sub-environment 0 reaches its time limit one step before sub-environment 1 (which
+    # skipped the first step); skipped afterwards, it still reports done, as TorchRL's
+    # batched environments do. A chunk or a rollout stops stepping it on that flag.
+    env = BatchedGymEnv("Pusher-v5", 2, max_episode_steps=2)
+    td = env.reset()
+    for mask, expected_done in (([1, 0], [0, 0]), ([1, 1], [1, 0]), ([0, 1], [1, 1])):
+        td["action"] = torch.zeros(2, 7)
+        td["_step"] = torch.tensor(mask, dtype=torch.bool)
+        out = env.step(td)
+        assert out["next", "done"].squeeze(-1).tolist() == [bool(v) for v in expected_done]
+        assert torch.equal(out["next", "done"], out["next", "truncated"])
+        td = env.step_mdp(out)
+    assert not env.reset()["done"].any()

@@ -153,6 +153,10 @@ class BatchedGymEnv(EnvBase):
         )
         self._observation = np.zeros((num_envs, *observation_space.shape), dtype=np.float32)
         self._info = np.zeros((num_envs, len(info_keys)), dtype=bool)
+        # Each sub-environment's last done flags: a sub-environment skipped by a partial step
+        # reports those of its last executed step (what TorchRL's batched envs do).
+        self._terminated = np.zeros((num_envs, 1), dtype=bool)
+        self._truncated = np.zeros((num_envs, 1), dtype=bool)
         self._seeds: list[int | None] = [None] * num_envs
 
     def _set_seed(self, seed: int | None) -> None:
@@ -174,6 +178,7 @@ class BatchedGymEnv(EnvBase):
             observation, info = self.envs[index].reset(seed=self._seeds[index])
             self._seeds[index] = None
             self._observation[index] = observation
+            self._terminated[index] = self._truncated[index] = False
             for column, key in enumerate(self.info_keys):
                 self._info[index, column] = bool(info.get(key, False))
         false = torch.zeros((len(self.envs), 1), dtype=torch.bool)
@@ -207,8 +212,7 @@ class BatchedGymEnv(EnvBase):
         action = tensordict.get("action").detach().cpu().numpy()
         num_envs = len(self.envs)
         reward = np.zeros((num_envs, 1), dtype=np.float32)
-        terminated = np.zeros((num_envs, 1), dtype=bool)
-        truncated = np.zeros((num_envs, 1), dtype=bool)
+        terminated, truncated = self._terminated, self._truncated
         for index in np.flatnonzero(self._mask(tensordict, "_step")):
             observation, step_reward, step_terminated, step_truncated, info = self.envs[index].step(
                 action[index]
@@ -223,8 +227,8 @@ class BatchedGymEnv(EnvBase):
                 "observation": torch.from_numpy(self._observation.copy()),
                 "reward": torch.from_numpy(reward),
                 "done": torch.from_numpy(terminated | truncated),
-                "terminated": torch.from_numpy(terminated),
-                "truncated": torch.from_numpy(truncated),
+                "terminated": torch.from_numpy(terminated.copy()),
+                "truncated": torch.from_numpy(truncated.copy()),
                 **self._info_entries(),
             },
             batch_size=self.batch_size,
