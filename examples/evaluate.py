@@ -21,12 +21,25 @@ checkpoint) every checkpoint is also compared with it under the evaluation proto
 same states, the paired differences to the baseline's best decoding and to the expert; this
 is the command behind the held-out numbers of ``docs/results.md``.
 
+With ``--video_episodes N`` it also records the split's first ``N`` episodes of every
+checkpoint, at every scale, and of the expert with ``--expert``, to one video each in
+``video_dir`` (:func:`~torchrl_flowpolicy.video.record_episodes`: rendered offscreen, so run
+with ``MUJOCO_GL=egl``; the episodes side by side, outlined green or red by success once they
+end). The video runs its own ``N``-episode evaluation on the same reset seeds: under scale 0
+and for the expert its episodes are exactly the evaluation's first ``N``; under a sampled
+scale the initial noise is drawn for ``N`` episodes, so their outcomes may differ from the
+evaluation's (they are printed and written with the videos). Pass the pretrained and the
+fine-tuned checkpoint to see the same states before and after RL.
+
 Examples::
 
     python examples/evaluate.py --split validation --expert \\
         --checkpoints outputs/pretrain_seed0/policy.pt,outputs/ppo_seed0/checkpoint.pt
     python examples/evaluate.py --split held_out --eval_episodes 200 \\
         --baseline outputs/pretrain/policy.pt --checkpoints outputs/ppo/checkpoint.pt
+    MUJOCO_GL=egl python examples/evaluate.py --task lift --eval_episodes 50 \\
+        --eval_noise_scales 0.0 --video_episodes 4 --video_dir outputs/videos \\
+        --checkpoints outputs/pretrain_lift/policy.pt,outputs/ppo_lift/checkpoint.pt
 """
 
 from __future__ import annotations
@@ -43,12 +56,14 @@ from torchrl.modules import RandomPolicy
 from tqdm import tqdm
 
 from torchrl_flowpolicy.dsrl import NoiseActionTransform
+from torchrl_flowpolicy.envs import get_task
 from torchrl_flowpolicy.evaluation import evaluate_decodings, evaluate_episodes
 from torchrl_flowpolicy.protocol import (
     format_protocol,
     protocol_summary,
     split_seed,
 )
+from torchrl_flowpolicy.video import make_render_env, record_episodes
 
 from common import (
     decisions_per_episode,
@@ -59,6 +74,7 @@ from common import (
     outcome_summary,
     parse_config,
     task_defaults,
+    task_options,
 )
 
 
@@ -98,6 +114,17 @@ class EvaluateConfig:
         "robosuite's shaped reward",
     )
     terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
+    video_episodes: int = option(
+        0, "record the split's first N episodes of each evaluation to a video (0: none)"
+    )
+    video_dir: str = option("outputs/videos", "where the videos are written")
+    video_format: Literal["gif", "mp4"] = option(
+        "gif", "gif (Pillow; plays in a browser) or mp4 (OpenCV's mp4v; smaller)"
+    )
+    video_size: int = option(256, "height and width of one episode's frames, pixels")
+    video_camera: str = option(
+        "", "a named camera (lift: frontview, agentview, ...); empty: the task's default view"
+    )
     output_json: str = option("outputs/evaluation.json", "where the rows are written")
     threads: int = option(1, "torch CPU threads")
 
@@ -126,6 +153,48 @@ def evaluate_row(
     seed = split_seed(config.split, config.eval_episodes)
     outcomes = evaluate_episodes(actor, env, max_decisions=max_decisions, seed=seed)
     return report_row(outcomes, label, **row)
+
+
+def record_video(
+    policy: TensorDictModuleBase | None,
+    executed_chunk_length: int | None,
+    name: str,
+    config: EvaluateConfig,
+) -> dict:
+    """Record the split's first ``video_episodes`` episodes of ``policy`` (``None``: the clean
+    scripted expert, one action per step) to ``video_dir/name.<video_format>``; prints and
+    returns the video's row."""
+    seed = split_seed(config.split, config.eval_episodes)
+    view = {
+        "height": config.video_size,
+        "width": config.video_size,
+        "camera": config.video_camera or None,
+    }
+    env = make_render_env(
+        config.task, config.video_episodes, executed_chunk_length, **view, **task_options(config)
+    )
+    if policy is None:
+        policy = get_task(config.task).make_expert(env)
+        max_decisions = config.max_episode_steps
+    else:
+        max_decisions = decisions_per_episode(config.max_episode_steps, executed_chunk_length)
+    path = Path(config.video_dir) / f"{name}.{config.video_format}"
+    video = record_episodes(policy, env, path, max_decisions=max_decisions, seed=seed)
+    env.close()
+    tqdm.write(
+        f"video {path}: success {video.success} ({video.num_frames} frames, {video.seconds:.1f} s)"
+    )
+    return {
+        "path": str(path),
+        "episode_success": [int(flag) for flag in video.success],
+        "frames_per_episode": video.frames_per_episode,
+    }
+
+
+def video_name(path: str, scale: float) -> str:
+    """``outputs/ppo/checkpoint.pt`` at scale 1 -> ``ppo-checkpoint-scale1``."""
+    checkpoint = Path(path)
+    return f"{checkpoint.parent.name}-{checkpoint.stem}-scale{scale:g}"
 
 
 def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> list[dict]:
@@ -157,10 +226,12 @@ def main(config: EvaluateConfig) -> list[dict]:
     bounds = [float(bound) for bound in config.uniform_noise_bounds.split(",") if bound]
     seed = split_seed(config.split, config.eval_episodes)
     tqdm.write(f"split {config.split}: {config.eval_episodes} episodes from seed {seed}")
-    rows = []
+    rows, videos = [], []
     if config.expert:
         outcomes = evaluate_task_expert(config, config.eval_episodes, seed)
         rows.append(report_row(outcomes, "clean scripted expert", checkpoint="expert"))
+        if config.video_episodes:
+            videos.append(record_video(None, None, "expert", config))
     progress = tqdm(total=len(checkpoints) * (len(scales) + len(bounds)), desc="evaluations")
     for path in checkpoints:
         policy, model_config, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
@@ -172,6 +243,8 @@ def main(config: EvaluateConfig) -> list[dict]:
             label = f"{path}  scale {scale:g}"
             row = {"checkpoint": path, "eval_noise_scale": scale}
             rows.append(evaluate_row(policy, env, max_decisions, label, config, **row))
+            if config.video_episodes:
+                videos.append(record_video(policy, executed, video_name(path, scale), config))
             progress.update(1)
         env.close()
         policy.eval_noise_scale = 1.0
@@ -188,7 +261,13 @@ def main(config: EvaluateConfig) -> list[dict]:
     comparisons = compare_with_baseline(config, checkpoints) if config.baseline else []
     output = Path(config.output_json)
     output.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"config": asdict(config), "seed": seed, "rows": rows, "comparisons": comparisons}
+    summary = {
+        "config": asdict(config),
+        "seed": seed,
+        "rows": rows,
+        "videos": videos,
+        "comparisons": comparisons,
+    }
     output.write_text(json.dumps(summary, indent=2))
     return rows
 
