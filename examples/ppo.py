@@ -12,6 +12,16 @@ With ``--collector_workers N`` the rollouts run in ``N`` processes (TorchRL's
 ``MultiSyncCollector``, ``num_envs / N`` environments each, the policy's weights sent to
 them after every update).
 
+Under ``torchrun --nproc_per_node N`` the learner is data-parallel
+(``torchrl_flowpolicy.distributed``): rank ``r`` seeds torch with ``seed + r`` and collects
+``num_envs`` environments of its own (reset seeds ``seed + r * num_envs + i``, all below the
+evaluation seeds), every rank starts from rank 0's weights, and each minibatch's gradients are
+averaged over the ranks before clipping, so that the ranks keep identical weights. A batch
+is then ``N`` times larger and ``total_env_steps`` counts the steps of all ranks. Advantages
+are standardised per rank and minibatch, and self-imitation averages over each rank's own
+successes. Rank 0 alone pretrains (the others wait), evaluates, logs its own diagnostics,
+checkpoints and writes the protocol, plot and summary.
+
 ``main`` reads top to bottom: seed, pretrained policy, evaluation env and baselines (BC under
 both decodings, the expert), learner (critic, loss, optimisers), resume, collector, training
 loop (one PPO iteration per batch, evaluate, log, checkpoint), final evaluation, held-out
@@ -45,6 +55,14 @@ from torchrl.objectives import ValueEstimators  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from torchrl_flowpolicy import FlowSDEPolicy  # noqa: E402
+from torchrl_flowpolicy.distributed import (  # noqa: E402
+    average_gradients,
+    barrier,
+    broadcast_parameters,
+    close_distributed,
+    init_distributed,
+    sum_over_processes,
+)
 from torchrl_flowpolicy.envs import decision_discount, get_task  # noqa: E402
 from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
@@ -353,6 +371,7 @@ def ppo_iteration(
             learner.critic_optimizer.zero_grad(set_to_none=True)
             learner.actor_optimizer.zero_grad(set_to_none=True)
             (losses["loss_critic"] + (actor_loss if train_actor else 0.0)).backward()
+            average_gradients([*critic.parameters(), *policy.parameters()])  # over the ranks
             torch.nn.utils.clip_grad_norm_(critic.parameters(), config.max_grad_norm)
             learner.critic_optimizer.step()
             if train_actor:
@@ -464,24 +483,28 @@ def plot_curves(
 
 
 def main(config: PPOConfig) -> dict:
-    torch.manual_seed(config.seed)
+    rank, world_size = init_distributed()  # (0, 1) unless launched by torchrun
+    main_process = rank == 0
+    torch.manual_seed(config.seed + rank)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    # Pretrained policy (behaviour cloning), made first when missing.
+    # Pretrained policy (behaviour cloning), made first when missing (by rank 0).
     pretrained = Path(config.pretrained_checkpoint)
-    if not pretrained.is_file():
+    if main_process and not pretrained.is_file():
         pretrain.main(pretrain.config_for_run(config))
+    barrier()
     policy, model_config, pretrained_state = load_policy(pretrained, **sampler_options(config))
     bc_policy = copy.deepcopy(policy)  # the pretrained policy, for the held-out protocol
     executed = model_config.executed_chunk_length
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 
     # Evaluation env (curve seeds), the baselines: BC under both decodings, the expert.
-    eval_env = make_task_env(config, config.eval_episodes, executed)
-    baselines = curve_baselines(policy, eval_env, max_decisions, config)
+    if main_process:
+        eval_env = make_task_env(config, config.eval_episodes, executed)
+        baselines = curve_baselines(policy, eval_env, max_decisions, config)
 
     # Critic, loss, optimisers; resumed with the counters, history and RNG state if asked.
     learner = make_learner(policy, config, executed)
@@ -492,29 +515,40 @@ def main(config: PPOConfig) -> dict:
         iteration, env_steps = saved["iteration"], saved["env_steps"]
         history = json.loads(saved["history"])
         print(f"resumed from iteration {iteration} ({env_steps} env steps)")
+        if world_size > 1:  # the checkpoint holds rank 0's RNG state: one stream per rank
+            torch.manual_seed(config.seed + rank + 1000 * iteration)
+    broadcast_parameters(learner.policy)  # every rank starts from rank 0's weights
+    broadcast_parameters(learner.critic)
 
     # Collector (a batch: episodes_per_batch full-length episodes' decisions per env),
     # minibatch sampler, logger.
     decisions_per_batch = config.num_envs * config.episodes_per_batch * max_decisions
-    seed = training_seed(config.seed, iteration, config.num_envs)
+    seed = training_seed(config.seed, iteration, world_size * config.num_envs)
+    seed += rank * config.num_envs  # rank r's environments follow those of ranks 0 .. r - 1
     collector = make_collector(policy, config, executed, decisions_per_batch, seed)
     replay_buffer = ReplayBuffer(
         storage=LazyTensorStorage(decisions_per_batch),
         sampler=SamplerWithoutReplacement(),
         batch_size=config.minibatch_size,
     )
-    log = MetricLogger(config.loggers, f"ppo_seed{config.seed}", output_dir, config).log
+    if main_process:
+        log = MetricLogger(config.loggers, f"ppo_seed{config.seed}", output_dir, config).log
 
     # Training loop: one PPO iteration per batch, evaluation, logging, checkpoints; until
     # the env-step budget is spent (a batch's env steps: its decisions' executed rows).
-    progress = tqdm(total=config.total_env_steps, initial=env_steps, desc="PPO env steps")
+    progress = tqdm(
+        total=config.total_env_steps,
+        initial=env_steps,
+        desc="PPO env steps",
+        disable=not main_process,
+    )
     batches = iter(collector)
     while env_steps < config.total_env_steps:
         collected = time.perf_counter()
         batch = next(batches)
         collect_seconds = time.perf_counter() - collected
         iteration += 1
-        batch_steps = count_env_steps(batch)
+        batch_steps = sum_over_processes(count_env_steps(batch))  # of all ranks
         env_steps += batch_steps
         train_actor = iteration > config.critic_warmup_iterations
         row = ppo_iteration(learner, batch, replay_buffer, config, train_actor)
@@ -523,7 +557,7 @@ def main(config: PPOConfig) -> dict:
         row["time/collect_seconds"] = collect_seconds
         row["time/update_seconds"] = time.perf_counter() - collected - collect_seconds
         last_iteration = env_steps >= config.total_env_steps
-        if iteration % config.eval_every == 0 or last_iteration:
+        if main_process and (iteration % config.eval_every == 0 or last_iteration):
             evaluation = evaluate_policy(
                 policy, eval_env, max_decisions=max_decisions, seed=CURVE_SEED
             )
@@ -531,12 +565,16 @@ def main(config: PPOConfig) -> dict:
             row["eval/success_rate"] = evaluation["success_rate"]
             row["eval/mean_return"] = evaluation["mean_return"]
             progress.set_postfix(success=f"{evaluation['success_rate']:.0%}")
-        log({name.replace("loss_", "loss/"): value for name, value in row.items()}, env_steps)
-        if iteration % config.checkpoint_every == 0:
+        if main_process:  # rank 0's own diagnostics
+            log({name.replace("loss_", "loss/"): value for name, value in row.items()}, env_steps)
+        if main_process and iteration % config.checkpoint_every == 0:
             save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history)
         progress.update(batch_steps)
     progress.close()
     collector.shutdown()
+    close_distributed()  # no collective call follows: rank 0 alone finishes the run
+    if not main_process:
+        return {}
     save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history)
 
     # Final evaluation (a history row unless the last iteration had one), held-out protocol
