@@ -213,6 +213,14 @@ def env_steps(batch: TensorDictBase) -> int:
     return int((batch["next", "step_count"] - batch["step_count"]).sum())
 
 
+def make_eval_env(config: Any, num_episodes: int, executed_chunk_length: int) -> EnvBase:
+    """The chunked task environment for an evaluation of ``num_episodes`` episodes: one
+    sub-environment per episode, or the task's ``max_eval_envs`` (the episodes then run in
+    rounds; pass ``num_episodes`` to the evaluation)."""
+    num_envs = get_task(config.task).eval_envs(num_episodes)
+    return make_task_env(config, num_envs, executed_chunk_length)
+
+
 def evaluate_task_expert(config: Any, num_episodes: int, seed: int) -> dict[str, Tensor]:
     """The clean scripted expert of ``config.task`` on ``num_episodes`` seeded episodes."""
     return evaluate_expert(num_episodes, seed=seed, task=config.task, **task_options(config))
@@ -363,8 +371,9 @@ def curve_baselines(
 ) -> dict[str, dict[str, float]]:
     """The lines of the learning-curve plot, on the curve seeds: BC under both decodings and
     the clean expert (:func:`outcome_summary` each), printed. Leaves torch's RNG alone."""
-    bc = evaluate_decodings(bc_policy, env, max_decisions=max_decisions, seed=CURVE_SEED)
-    expert = evaluate_task_expert(config, env.batch_size[0], CURVE_SEED)
+    options = {"max_decisions": max_decisions, "num_episodes": config.eval_episodes}
+    bc = evaluate_decodings(bc_policy, env, seed=CURVE_SEED, **options)
+    expert = evaluate_task_expert(config, config.eval_episodes, CURVE_SEED)
     baselines = {
         "BC (sampled)": outcome_summary(bc["sampled"]),
         "BC (noise-free)": outcome_summary(bc["noise_free"]),
@@ -390,14 +399,18 @@ def held_out_protocol(
     BC and RL under both decodings (:func:`~torchrl_flowpolicy.evaluation.evaluate_decodings`)
     and the clean expert, all on the same states and the same initial noise;
     :func:`~torchrl_flowpolicy.protocol.protocol_summary` with ``config.reported_decoding``.
-    ``rl_env`` is RL's environment with ``held_out_episodes`` sub-environments (default:
-    the chunked task, as BC's). ``"line"`` holds :func:`~torchrl_flowpolicy.protocol.format_protocol`'s
+    ``rl_env`` is RL's environment with as many sub-environments as :func:`make_eval_env`
+    gives (default: the chunked task, as BC's). ``"line"`` holds :func:`~torchrl_flowpolicy.protocol.format_protocol`'s
     sentence about ``name``. Leaves torch's RNG alone.
     """
     seed = split_seed("held_out", config.held_out_episodes)
     max_decisions = decisions_per_episode(config.max_episode_steps, executed_chunk_length)
-    env = make_task_env(config, config.held_out_episodes, executed_chunk_length)
-    options = {"max_decisions": max_decisions, "seed": seed}
+    env = make_eval_env(config, config.held_out_episodes, executed_chunk_length)
+    options = {
+        "max_decisions": max_decisions,
+        "seed": seed,
+        "num_episodes": config.held_out_episodes,
+    }
     bc = evaluate_decodings(bc_policy, env, **options)
     rl = evaluate_decodings(rl_policy, env if rl_env is None else rl_env, **options)
     env.close()

@@ -72,6 +72,7 @@ from common import (  # noqa: E402
     decisions_per_episode,
     held_out_protocol,
     load_policy,
+    make_eval_env,
     make_task_env,
     option,
     parse_config,
@@ -483,11 +484,16 @@ class Evaluator:
     env: EnvBase
     max_decisions: int
     seed: int
+    num_episodes: int
     log: Any
 
     def __call__(self, run: Progress, wall_seconds: float) -> dict[str, float]:
         evaluation = evaluate_policy(
-            self.actor, self.env, max_decisions=self.max_decisions, seed=self.seed
+            self.actor,
+            self.env,
+            max_decisions=self.max_decisions,
+            seed=self.seed,
+            num_episodes=self.num_episodes,
         )
         row = {"env_steps": run.env_steps, "iteration": run.iteration, "updates": run.updates}
         run.history.append({**row, "wall_seconds": wall_seconds, **evaluation})
@@ -627,10 +633,11 @@ def main(config: DSRLConfig) -> dict:
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 
     # Baselines on the curve seeds (BC under both decodings, the expert); the noise envs.
-    bc_env = make_task_env(config, config.eval_episodes, executed)
+    bc_env = make_eval_env(config, config.eval_episodes, executed)
     baselines = curve_baselines(policy, bc_env, max_decisions, config)
     bc_env.close()
-    eval_env = make_noise_env(policy, config, config.eval_episodes, executed)
+    task = get_task(config.task)
+    eval_env = make_noise_env(policy, config, task.eval_envs(config.eval_episodes), executed)
     train_env = make_noise_env(policy, config, config.num_envs, executed)
 
     # Noise actor and SAC learner; a replay buffer that by default holds the whole run.
@@ -646,7 +653,7 @@ def main(config: DSRLConfig) -> dict:
     # Collector, logger, evaluation.
     collector = make_collector(actor, train_env, config, executed, len(replay_buffer), run)
     log = MetricLogger(config.loggers, f"dsrl_seed{config.seed}", output_dir, config).log
-    evaluate = Evaluator(actor, eval_env, max_decisions, CURVE_SEED, log)
+    evaluate = Evaluator(actor, eval_env, max_decisions, CURVE_SEED, config.eval_episodes, log)
 
     # Training loop (after evaluating the actor's starting point).
     training_start = time.perf_counter() - run.wall_seconds  # a resumed run goes on counting
@@ -686,7 +693,9 @@ def main(config: DSRLConfig) -> dict:
     run.wall_seconds = time.perf_counter() - training_start
     save_dsrl_run(run_checkpoint, learner, replay_buffer, run, model_config)
     eval_env.close()
-    held_out_env = make_noise_env(policy, config, config.held_out_episodes, executed)
+    held_out_env = make_noise_env(
+        policy, config, task.eval_envs(config.held_out_episodes), executed
+    )
     held_out = held_out_protocol(policy, actor, config, executed, held_out_env, name="DSRL")
     held_out_env.close()
     plot_curves(

@@ -69,7 +69,7 @@ from common import (
     decisions_per_episode,
     evaluate_task_expert,
     load_policy,
-    make_task_env,
+    make_eval_env,
     option,
     outcome_summary,
     parse_config,
@@ -151,7 +151,9 @@ def evaluate_row(
 ) -> dict:
     """One evaluation on the split's seeds, printed as ``label``; ``row`` adds columns."""
     seed = split_seed(config.split, config.eval_episodes)
-    outcomes = evaluate_episodes(actor, env, max_decisions=max_decisions, seed=seed)
+    outcomes = evaluate_episodes(
+        actor, env, max_decisions=max_decisions, seed=seed, num_episodes=config.eval_episodes
+    )
     return report_row(outcomes, label, **row)
 
 
@@ -204,8 +206,11 @@ def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> lis
         Path(config.baseline), eval_num_steps=config.eval_num_steps
     )
     executed = model_config.executed_chunk_length
-    env = make_task_env(config, config.eval_episodes, executed)
-    options = {"max_decisions": decisions_per_episode(config.max_episode_steps, executed)}
+    env = make_eval_env(config, config.eval_episodes, executed)
+    options = {
+        "max_decisions": decisions_per_episode(config.max_episode_steps, executed),
+        "num_episodes": config.eval_episodes,
+    }
     bc = evaluate_decodings(baseline, env, seed=seed, **options)
     expert = evaluate_task_expert(config, config.eval_episodes, seed)
     comparisons = []
@@ -237,7 +242,7 @@ def main(config: EvaluateConfig) -> list[dict]:
         policy, model_config, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
         executed = model_config.executed_chunk_length
         max_decisions = decisions_per_episode(config.max_episode_steps, executed)
-        env = make_task_env(config, config.eval_episodes, executed)
+        env = make_eval_env(config, config.eval_episodes, executed)
         for scale in scales:
             policy.eval_noise_scale = scale
             label = f"{path}  scale {scale:g}"
@@ -249,7 +254,7 @@ def main(config: EvaluateConfig) -> list[dict]:
         env.close()
         policy.eval_noise_scale = 1.0
         for bound in bounds:
-            noise_env = make_task_env(config, config.eval_episodes, executed)
+            noise_env = make_eval_env(config, config.eval_episodes, executed)
             noise_env.append_transform(NoiseActionTransform(policy, noise_bound=bound))
             uniform = RandomPolicy(noise_env.full_action_spec)  # uniform over the box
             label = f"{path}  uniform noise in [-{bound:g}, {bound:g}]"

@@ -76,6 +76,7 @@ from common import (  # noqa: E402
     decisions_per_episode,
     held_out_protocol,
     load_policy,
+    make_eval_env,
     make_task_env,
     option,
     parse_config,
@@ -181,8 +182,16 @@ QUICK = {
 # What --task lift changes (robosuite Lift, see torchrl_flowpolicy.envs.robosuite_tasks);
 # the pretraining's own task defaults come along.
 RUN_DEFAULTS: dict[str, dict[str, Any]] = {
-    task: {f"pretrain.{name}": value for name, value in values.items()}
-    for task, values in pretrain.DEMO_DEFAULTS.items()
+    "lift": {
+        **{f"pretrain.{name}": value for name, value in pretrain.DEMO_DEFAULTS["lift"].items()},
+        # 16 envs x 15 decisions = 240 decisions a batch, two minibatches; the sparse
+        # success reward (1 at success) is used as is.
+        "minibatch_size": 120,
+        "reward_scale": 1.0,
+        "total_env_steps": 250_000,
+        "eval_every": 10,
+        "checkpoint_every": 10,
+    },
 }
 
 
@@ -503,7 +512,7 @@ def main(config: PPOConfig) -> dict:
 
     # Evaluation env (curve seeds), the baselines: BC under both decodings, the expert.
     if main_process:
-        eval_env = make_task_env(config, config.eval_episodes, executed)
+        eval_env = make_eval_env(config, config.eval_episodes, executed)
         baselines = curve_baselines(policy, eval_env, max_decisions, config)
 
     # Critic, loss, optimisers; resumed with the counters, history and RNG state if asked.
@@ -559,7 +568,11 @@ def main(config: PPOConfig) -> dict:
         last_iteration = env_steps >= config.total_env_steps
         if main_process and (iteration % config.eval_every == 0 or last_iteration):
             evaluation = evaluate_policy(
-                policy, eval_env, max_decisions=max_decisions, seed=CURVE_SEED
+                policy,
+                eval_env,
+                max_decisions=max_decisions,
+                seed=CURVE_SEED,
+                num_episodes=config.eval_episodes,
             )
             history.append(evaluation_record(evaluation, env_steps, iteration, start))
             row["eval/success_rate"] = evaluation["success_rate"]
@@ -579,7 +592,13 @@ def main(config: PPOConfig) -> dict:
 
     # Final evaluation (a history row unless the last iteration had one), held-out protocol
     # (BC and PPO under both decodings, the expert), plot, summary.
-    final = evaluate_policy(policy, eval_env, max_decisions=max_decisions, seed=CURVE_SEED)
+    final = evaluate_policy(
+        policy,
+        eval_env,
+        max_decisions=max_decisions,
+        seed=CURVE_SEED,
+        num_episodes=config.eval_episodes,
+    )
     eval_env.close()
     if not history or history[-1]["env_steps"] != env_steps:
         history.append(evaluation_record(final, env_steps, iteration, start))

@@ -128,6 +128,27 @@ class ExplorationRecorder(TensorDictModuleBase):
         return tensordict.set("action", torch.zeros(*tensordict.batch_size, 2, 7))
 
 
+def test_episodes_in_rounds_start_from_the_same_states_as_one_batch():
+    # 5 episodes on 2 sub-environments run in 3 rounds (seeds s, s + 2, s + 4): the
+    # noise-free decoding (no policy noise) then gives exactly the 5-env batch's outcomes.
+    policy = tiny_policy()
+    options = {"max_decisions": 4, "seed": VALIDATION_SEED}
+    whole = make_pusher_env(5, executed_chunk_length=2, max_episode_steps=8)
+    rounds = make_pusher_env(2, executed_chunk_length=2, max_episode_steps=8)
+    with decoding(policy, "noise_free"):
+        expected = evaluate_episodes(policy, whole, **options)
+        outcomes = evaluate_episodes(policy, rounds, num_episodes=5, **options)
+    for key in ("return", "success", "length"):
+        assert outcomes[key].shape == (5,)
+        torch.testing.assert_close(outcomes[key], expected[key], rtol=1e-5, atol=1e-5)
+    expert = evaluate_expert(5, seed=VALIDATION_SEED, max_envs=2, max_episode_steps=8)
+    torch.testing.assert_close(
+        expert["return"], evaluate_expert(5, seed=VALIDATION_SEED, max_episode_steps=8)["return"]
+    )
+    with pytest.raises(ValueError, match="num_episodes"):
+        evaluate_episodes(policy, rounds, num_episodes=0, **options)
+
+
 def test_a_non_flow_policy_samples_under_random_and_takes_its_mean_under_deterministic():
     recorder = ExplorationRecorder()
     env = make_pusher_env(2, executed_chunk_length=2, max_episode_steps=4)
@@ -268,7 +289,9 @@ def test_examples_protocol_helpers_leave_the_random_stream_alone(examples_on_pat
     import ppo
     from common import curve_baselines, held_out_protocol
 
-    config = ppo.PPOConfig(max_episode_steps=8, held_out_episodes=3, reported_decoding="noise_free")
+    config = ppo.PPOConfig(
+        max_episode_steps=8, eval_episodes=2, held_out_episodes=3, reported_decoding="noise_free"
+    )
     bc, rl = tiny_policy(0), tiny_policy(1)
     torch.manual_seed(0)
     state = torch.get_rng_state()

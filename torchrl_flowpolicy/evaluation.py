@@ -73,6 +73,7 @@ def evaluate_episodes(
     seed: int,
     exploration_type: ExplorationType = ExplorationType.DETERMINISTIC,
     success_key: NestedKey = "success",
+    num_episodes: int | None = None,
 ) -> dict[str, Tensor]:
     """Run one episode in each of ``env``'s batched environments; per-episode outcomes.
 
@@ -81,21 +82,36 @@ def evaluate_episodes(
     same policy noise (a flow policy's ``x_0``). The caller's random stream is left
     untouched. Arguments as for :func:`evaluate_policy`.
 
+    With ``num_episodes`` larger than the batch ``N`` (simulators too heavy to hold one per
+    episode, such as robosuite's), the episodes run in rounds of ``N``: round ``r`` seeds
+    the environments and torch with ``seed + r N``, so episode ``i`` still starts from reset
+    seed ``seed + i``, and the outcomes stay paired across policies evaluated with the same
+    ``N``. The last round's extra episodes are dropped.
+
     Returns:
         :func:`episode_outcomes` of the rollout: ``"return"``, ``"success"``, ``"length"``,
-        each ``[num_episodes]``.
+        each ``[num_episodes]`` (default: ``[N]``).
     """
-    env.set_seed(seed)
-    # The policy's own randomness (a flow policy's initial noise) is seeded too, in a forked
-    # RNG so that evaluating does not change the caller's random stream.
-    with torch.random.fork_rng(devices=[]), set_exploration_type(exploration_type):
-        torch.manual_seed(seed)
-        rollout = env.rollout(
-            max_decisions, policy, break_when_any_done=False, break_when_all_done=True
-        )
-    if rollout.ndim == 1:
-        rollout = rollout.unsqueeze(0)
-    return episode_outcomes(rollout, success_key)
+    batch = env.batch_size[0] if env.batch_size else 1
+    num_episodes = batch if num_episodes is None else num_episodes
+    if num_episodes < 1:
+        raise ValueError(f"num_episodes must be >= 1, got {num_episodes}.")
+    rounds = []
+    for first in range(0, num_episodes, batch):
+        env.set_seed(seed + first)
+        # The policy's own randomness (a flow policy's initial noise) is seeded too, in a
+        # forked RNG so that evaluating does not change the caller's random stream.
+        with torch.random.fork_rng(devices=[]), set_exploration_type(exploration_type):
+            torch.manual_seed(seed + first)
+            rollout = env.rollout(
+                max_decisions, policy, break_when_any_done=False, break_when_all_done=True
+            )
+        if rollout.ndim == 1:
+            rollout = rollout.unsqueeze(0)
+        rounds.append(episode_outcomes(rollout, success_key))
+    return {
+        key: torch.cat([outcomes[key] for outcomes in rounds])[:num_episodes] for key in rounds[0]
+    }
 
 
 def evaluate_policy(
@@ -106,6 +122,7 @@ def evaluate_policy(
     seed: int,
     exploration_type: ExplorationType = ExplorationType.DETERMINISTIC,
     success_key: NestedKey = "success",
+    num_episodes: int | None = None,
 ) -> dict[str, float]:
     """Run one episode in each of ``env``'s batched environments and summarise them.
 
@@ -124,6 +141,8 @@ def evaluate_policy(
         seed: the evaluation seed.
         exploration_type: DETERMINISTIC (default) or RANDOM (the rollout policy).
         success_key: the success entry.
+        num_episodes: the number of episodes (default: the batch size; more run in rounds,
+            see :func:`evaluate_episodes`).
 
     Returns:
         ``success_rate``, ``mean_return``, ``num_episodes`` and ``seconds``.
@@ -136,6 +155,7 @@ def evaluate_policy(
         seed=seed,
         exploration_type=exploration_type,
         success_key=success_key,
+        num_episodes=num_episodes,
     )
     return {
         "success_rate": outcomes["success"].float().mean().item(),
@@ -170,6 +190,7 @@ def evaluate_decodings(
     max_decisions: int,
     seed: int,
     success_key: NestedKey = "success",
+    num_episodes: int | None = None,
 ) -> dict[Decoding, dict[str, Tensor]]:
     """Evaluate ``policy`` under both decodings, on the same states and the same noise.
 
@@ -177,6 +198,9 @@ def evaluate_decodings(
     | --- | --- | --- |
     | :class:`~torchrl_flowpolicy.FlowSDEPolicy` | ODE from ``x_0 ~ N(0, I)`` | ODE from ``x_0 = 0`` |
     | any other (DSRL's noise actor) | RANDOM: the actor samples | DETERMINISTIC: its mean |
+
+    ``num_episodes`` (default: the batch size) runs the episodes in rounds, as in
+    :func:`evaluate_episodes`.
 
     Returns:
         ``{decoding: {"return", "success", "length"}}``, each ``[num_episodes]``
@@ -192,7 +216,12 @@ def evaluate_decodings(
         >>> sorted(outcomes), outcomes["noise_free"]["success"].shape
         (['noise_free', 'sampled'], torch.Size([3]))
     """
-    options = {"max_decisions": max_decisions, "seed": seed, "success_key": success_key}
+    options = {
+        "max_decisions": max_decisions,
+        "seed": seed,
+        "success_key": success_key,
+        "num_episodes": num_episodes,
+    }
     if isinstance(policy, FlowSDEPolicy):
         outcomes = {}
         for name in DECODINGS:

@@ -113,6 +113,7 @@ def evaluate_expert(
     *,
     seed: int,
     task: str = "pusher",
+    max_envs: int | None = None,
     **task_options: Any,
 ) -> dict[str, Tensor]:
     """The clean scripted expert (no action noise) on ``num_episodes`` seeded episodes.
@@ -130,6 +131,9 @@ def evaluate_expert(
     Keyword Args:
         seed: the first reset seed.
         task: the task's name (:func:`~torchrl_flowpolicy.envs.tasks.get_task`).
+        max_envs: at most this many sub-environments; more episodes run in rounds
+            (:func:`~torchrl_flowpolicy.evaluation.evaluate_episodes`). Default: the task's
+            ``max_eval_envs``.
         **task_options: the task's environment options (for ``"pusher"``:
             ``max_episode_steps``, ``success_threshold``, ``reward``).
 
@@ -138,10 +142,13 @@ def evaluate_expert(
     """
     spec = get_task(task)
     max_episode_steps = task_options.get("max_episode_steps", DEFAULT_MAX_EPISODE_STEPS)
-    env = spec.make_env(num_episodes, None, **task_options)
+    max_envs = spec.max_eval_envs if max_envs is None else max_envs
+    env = spec.make_env(min(num_episodes, max_envs or num_episodes), None, **task_options)
     try:
         expert = spec.make_expert(env)
-        return evaluate_episodes(expert, env, max_decisions=max_episode_steps, seed=seed)
+        return evaluate_episodes(
+            expert, env, max_decisions=max_episode_steps, seed=seed, num_episodes=num_episodes
+        )
     finally:
         env.close()
 
