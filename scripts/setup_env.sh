@@ -37,11 +37,11 @@ source .venv/bin/activate
 # Reinstall only when the package metadata or this script changed since the last install.
 stamp=".venv/.installed-$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
-    echo "[setup] installing torch==${TORCH_VERSION} and the project with [examples,dev,docs]"
+    echo "[setup] installing torch==${TORCH_VERSION} and the project with [examples,robosuite,dev,docs]"
     start=$SECONDS
     python -m pip install --quiet "torch==${TORCH_VERSION}" \
         ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-    python -m pip install --quiet -e ".[examples,dev,docs]"
+    python -m pip install --quiet -e ".[examples,robosuite,dev,docs]"
     rm -f .venv/.installed-*
     touch "$stamp"
     echo "[setup] installed in $((SECONDS - start)) s"

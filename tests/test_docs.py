@@ -84,7 +84,8 @@ def test_ppo_page_lists_every_option_with_its_default(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         ppo.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    listed = set(re.findall(r"(?:^| )(--[\w.]+)(?=[ ,])", help_text.split(" options: ", 1)[1]))
+    options_text = help_text.split(" options: ", 1)[1]  # past the description
+    listed = set(re.findall(r"(?:^| )(--[\w.]+)(?=[ ,])", options_text))
     listed -= {"--help", "--no-resume"}
     page = (DOCS / "examples" / "ppo.md").read_text()
     rows = re.findall(r"^\| `(--[\w.]+)` \|([^|]*)\|([^|]*)\|", page, re.MULTILINE)
@@ -92,7 +93,7 @@ def test_ppo_page_lists_every_option_with_its_default(monkeypatch, capsys):
     assert set(table) == listed
     for flag, (default, quick) in table.items():
         if flag != "--quick":  # the first default after the option is its own
-            shown = re.search(re.escape(flag) + r"[ ,].*?\(default: ([^;)]*)", help_text)
+            shown = re.search(re.escape(flag) + r"[ ,].*?\(default: ([^;)]*)", options_text)
             assert shown is not None and shown.group(1) == default, flag
         if quick:
             assert ppo.QUICK[flag.removeprefix("--")] == type(ppo.QUICK[flag[2:]])(quick), flag

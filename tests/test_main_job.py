@@ -89,3 +89,50 @@ def test_quick_run_is_killed_then_resumed(tmp_path, check_protocol_fields):
     assert state["iteration"] == total_iterations
     assert all(torch.isfinite(value).all() for value in state["policy"].values())
     assert (tmp_path / "pretrain" / "policy.pt").exists()
+
+
+@pytest.mark.slow
+def test_quick_run_with_two_collector_processes(tmp_path, check_protocol_fields):
+    # TorchRL's MultiSyncCollector: 2 workers x 2 envs, the weights synced after every update;
+    # the batches and the env-step count are those of one process with 4 envs.
+    environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
+    result = subprocess.run(
+        command(tmp_path, "--collector_workers", "2"),
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
+    assert summary["config"]["collector_workers"] == 2
+    assert summary["env_steps"] == summary["config"]["total_env_steps"]
+    check_protocol_fields(summary, result.stdout, "PPO", "noise_free")
+
+
+@pytest.mark.slow
+def test_quick_lift_chain(tmp_path, check_protocol_fields):
+    # robosuite Lift through the same script: demonstrations, pretraining, PPO, evaluation
+    # in rounds of at most max_eval_envs simulators, the held-out protocol with the expert.
+    pytest.importorskip("robosuite")
+    environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
+    result = subprocess.run(
+        command(
+            tmp_path, "--task", "lift", "--pretrain.demo_episodes", "3", "--minibatch_size", "30"
+        ),
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
+    assert summary["config"]["task"] == "lift"
+    assert summary["config"]["max_episode_steps"] == 60
+    assert summary["pretrained"]["config"]["model"]["observation_dim"] == 60
+    assert summary["env_steps"] >= summary["config"]["total_env_steps"]
+    check_protocol_fields(summary, result.stdout, "PPO", "noise_free")
+    assert summary["held_out"]["success"]["expert"]["rate"] > 0.5
+    assert (tmp_path / "demos" / "lift_T60_action_noise0.3_n3_seed0.pt").exists()
