@@ -118,7 +118,7 @@ class PPOConfig:
         1, "collector processes (> 1: TorchRL's MultiSyncCollector, weights synced per update)"
     )
     episodes_per_batch: int = option(1, "episodes per environment per PPO iteration")
-    total_env_steps: int = option(400_000, "environment steps of fine-tuning")
+    total_env_steps: int = option(1_200_000, "environment steps of fine-tuning")
     # Flow-SDE sampler (rollouts) and the evaluation ODE.
     noise_level: float = option(0.5, "a: exploration noise of the Flow-SDE step")
     num_steps: int = option(8, "K: denoising steps of rollouts and of the learner")
@@ -155,7 +155,9 @@ class PPOConfig:
     checkpoint_every: int = option(20, "iterations between checkpoints")
     loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
     resume: bool = option(False, "continue from output_dir/checkpoint.pt")
-    threads: int = option(1, "torch CPU threads (1 is fastest for these small networks)")
+    threads: int = option(
+        2, "torch CPU threads (2 on 2 cores: updates 1.8x faster than 1; rollouts the same)"
+    )
     pretrain: pretrain.PretrainConfig = option(
         default_factory=pretrain.PretrainConfig,
         help="behaviour cloning, run when pretrained_checkpoint is missing (with this run's "
@@ -176,6 +178,7 @@ QUICK = {
     "critic_warmup_iterations": 1,
     "pretrain.train_steps": 150,
     "pretrain.eval_episodes": 8,
+    "threads": 1,
 }
 
 
@@ -585,6 +588,8 @@ def main(config: PPOConfig) -> dict:
         progress.update(batch_steps)
     progress.close()
     collector.shutdown()
+    # A multi-process collector's shutdown raises torch's thread count by its worker count.
+    torch.set_num_threads(config.threads)
     close_distributed()  # no collective call follows: rank 0 alone finishes the run
     if not main_process:
         return {}

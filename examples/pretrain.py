@@ -78,13 +78,14 @@ class PretrainConfig:
     )
     eval_episodes: int = option(50, "fixed evaluation episodes (one batched rollout)")
     eval_seed: int = option(10_000, "seed of the evaluation episodes")
-    threads: int = option(1, "torch CPU threads (1 is fastest for these small networks)")
+    threads: int = option(1, "torch CPU threads")
     model: ModelConfig = option(default_factory=ModelConfig, help="the policy's architecture")
 
 
 # The settings config_for_run takes from the fine-tuning run (not options of that run).
 RUN_SETTINGS = (
     "seed",
+    "threads",
     "task",
     "output_dir",
     "max_episode_steps",
@@ -110,6 +111,7 @@ def config_for_run(run: Any) -> PretrainConfig:
     return dataclasses.replace(
         run.pretrain,
         seed=run.seed,
+        threads=run.threads,
         task=run.task,
         output_dir=str(Path(run.pretrained_checkpoint).parent),
         max_episode_steps=run.max_episode_steps,
