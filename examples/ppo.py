@@ -311,6 +311,7 @@ def make_collector(
             frames_per_batch=decisions_per_batch,
             total_frames=-1,
             exploration_type=ExplorationType.RANDOM,
+            auto_register_policy_transforms=False,  # not recurrent: no InitTracker needed
         )
     envs_per_worker = config.num_envs // workers
     return MultiSyncCollector(
@@ -328,6 +329,7 @@ def make_collector(
         frames_per_batch=decisions_per_batch,
         total_frames=-1,
         exploration_type=ExplorationType.RANDOM,
+        auto_register_policy_transforms=False,  # not recurrent: no InitTracker needed
         cat_results=0,
         num_threads=config.threads,
         num_sub_threads=1,
