@@ -170,6 +170,25 @@ def parse_config(
 
 
 # ----------------------------------------------------------------------------- task and model
+@dataclass
+class TaskOptions:
+    """The task and its settings, shared by every example's config (its first options)."""
+
+    task: Literal["pusher", "lift"] = option(
+        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift"
+    )
+    max_episode_steps: int = option(150, "horizon (env steps)")
+    success_threshold: float = option(
+        0.05, "pusher: final object-goal distance that counts as success, m"
+    )
+    reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
+        "progress",
+        "pusher: potential-based progress or gymnasium's own; lift: 1 at success or "
+        "robosuite's shaped reward",
+    )
+    terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
+
+
 def task_options(config: Any) -> dict[str, Any]:
     """The task settings of a config (``config.task`` names the task), as keyword arguments
     of the task's environment factory (:class:`~torchrl_flowpolicy.envs.tasks.Task`)."""

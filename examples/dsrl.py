@@ -65,9 +65,10 @@ from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
 from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed  # noqa: E402
 
 import pretrain  # noqa: E402
-from common import (  # noqa: E402
+from common import (
     MetricLogger,
     ModelConfig,
+    TaskOptions,  # noqa: E402
     curve_baselines,
     decisions_per_episode,
     held_out_protocol,
@@ -88,27 +89,14 @@ from common import (
 
 
 @dataclass
-class DSRLConfig:
+class DSRLConfig(TaskOptions):
     """DSRL (SAC on the noise) settings; every field is a command-line option."""
 
     seed: int = option(0, "seeds torch, the environments and the pretraining when it runs")
-    task: Literal["pusher", "lift"] = option(
-        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift"
-    )
     output_dir: str = option("outputs/dsrl", "checkpoints, logs, plot and summary")
     pretrained_checkpoint: str = option(
         "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
     )
-    max_episode_steps: int = option(150, "horizon (env steps)")
-    success_threshold: float = option(
-        0.05, "pusher: final object-goal distance that counts as success, m"
-    )
-    reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
-        "progress",
-        "pusher: potential-based progress or gymnasium's own; lift: 1 at success or "
-        "robosuite's shaped reward",
-    )
-    terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
     num_envs: int = option(16, "environments stepped in the collector's process")
     decisions_per_batch: int = option(2, "decisions per environment between two rounds of updates")
     total_env_steps: int = option(300_000, "environment steps of fine-tuning")

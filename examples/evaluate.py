@@ -66,6 +66,7 @@ from torchrl_flowpolicy.protocol import (
 from torchrl_flowpolicy.video import make_render_env, record_episodes
 
 from common import (
+    TaskOptions,
     decisions_per_episode,
     evaluate_task_expert,
     load_policy,
@@ -79,12 +80,9 @@ from common import (
 
 
 @dataclass
-class EvaluateConfig:
+class EvaluateConfig(TaskOptions):
     """Evaluation settings; every field is a command-line option."""
 
-    task: Literal["pusher", "lift"] = option(
-        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift"
-    )
     checkpoints: str = option("outputs/pretrain/policy.pt", "comma-separated checkpoint paths")
     eval_noise_scales: str = option("1.0,0.0", "comma-separated initial-noise scales")
     uniform_noise_bounds: str = option(
@@ -104,16 +102,6 @@ class EvaluateConfig:
     reported_decoding: Literal["sampled", "noise_free"] = option(
         "sampled", "with --baseline: the checkpoints' headline decoding (chosen on validation)"
     )
-    max_episode_steps: int = option(150, "horizon (env steps)")
-    success_threshold: float = option(
-        0.05, "pusher: final object-goal distance that counts as success, m"
-    )
-    reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
-        "progress",
-        "pusher: potential-based progress or gymnasium's own; lift: 1 at success or "
-        "robosuite's shaped reward",
-    )
-    terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
     video_episodes: int = option(
         0, "record the split's first N episodes of each evaluation to a video (0: none)"
     )

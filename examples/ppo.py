@@ -69,9 +69,10 @@ from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
 from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed  # noqa: E402
 
 import pretrain  # noqa: E402
-from common import (  # noqa: E402
+from common import (
     MetricLogger,
     ModelConfig,
+    TaskOptions,  # noqa: E402
     curve_baselines,
     decisions_per_episode,
     held_out_protocol,
@@ -92,27 +93,14 @@ from common import (
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(TaskOptions):
     """PPO fine-tuning settings; every field is a command-line option."""
 
     seed: int = option(0, "seeds torch, the environments and the pretraining when it runs")
-    task: Literal["pusher", "lift"] = option(
-        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift"
-    )
     output_dir: str = option("outputs/ppo", "checkpoints, logs, plot and summary")
     pretrained_checkpoint: str = option(
         "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
     )
-    max_episode_steps: int = option(150, "horizon (env steps)")
-    success_threshold: float = option(
-        0.05, "pusher: final object-goal distance that counts as success, m"
-    )
-    reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
-        "progress",
-        "pusher: potential-based progress or gymnasium's own; lift: 1 at success or "
-        "robosuite's shaped reward",
-    )
-    terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
     num_envs: int = option(16, "training environments (split evenly over the collector workers)")
     collector_workers: int = option(
         1, "collector processes (> 1: TorchRL's MultiSyncCollector, weights synced per update)"

@@ -31,6 +31,7 @@ from torchrl_flowpolicy.objectives import FlowMatchingLoss
 from common import (
     TASK_MODEL_FIELDS,
     ModelConfig,
+    TaskOptions,
     build_policy,
     decisions_per_episode,
     make_eval_env,
@@ -43,13 +44,10 @@ from common import (
 
 
 @dataclass
-class PretrainConfig:
+class PretrainConfig(TaskOptions):
     """Behaviour-cloning settings; every field is a command-line option."""
 
     seed: int = option(0, "seeds torch (initialisation, minibatches, flow-matching noise)")
-    task: Literal["pusher", "lift"] = option(
-        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift"
-    )
     output_dir: str = option("outputs/pretrain", "where the checkpoint and summary go")
     demo_dir: str = option("outputs/demos", "demonstration cache (made by the scripted expert)")
     demo_episodes: int = option(
@@ -59,16 +57,6 @@ class PretrainConfig:
         0.3, "std of the Gaussian noise on the expert's torques (imperfect demos)"
     )
     demo_seed: int = option(0, "seed of the demonstration episodes")
-    max_episode_steps: int = option(150, "horizon (env steps)")
-    success_threshold: float = option(
-        0.05, "pusher: final object-goal distance that counts as success, m"
-    )
-    reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
-        "progress",
-        "pusher: potential-based progress or gymnasium's own; lift: 1 at success or "
-        "robosuite's shaped reward",
-    )
-    terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
     train_steps: int = option(3000, "optimiser steps")
     batch_size: int = option(256, "decisions per minibatch")
     learning_rate: float = option(3e-4, "AdamW learning rate")
