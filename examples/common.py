@@ -174,8 +174,8 @@ def parse_config(
 class TaskOptions:
     """The task and its settings, shared by every example's config (its first options)."""
 
-    task: Literal["pusher", "lift"] = option(
-        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift"
+    task: Literal["pusher", "lift", "can"] = option(
+        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift, robosuite PickPlaceCan"
     )
     max_episode_steps: int = option(150, "horizon (env steps)")
     success_threshold: float = option(
@@ -183,10 +183,10 @@ class TaskOptions:
     )
     reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
         "progress",
-        "pusher: potential-based progress or gymnasium's own; lift: 1 at success or "
+        "pusher: potential-based progress or gymnasium's own; lift, can: 1 at success or "
         "robosuite's shaped reward",
     )
-    terminate_on_success: bool = option(True, "lift: the episode ends at the first success")
+    terminate_on_success: bool = option(True, "lift, can: the episode ends at the first success")
 
 
 def task_options(config: Any) -> dict[str, Any]:

@@ -109,6 +109,11 @@ class PPOConfig(TaskOptions):
     total_env_steps: int = option(1_200_000, "environment steps of fine-tuning")
     # Flow-SDE sampler (rollouts) and the evaluation ODE.
     noise_level: float = option(0.5, "a: exploration noise of the Flow-SDE step")
+    rollout_noise_scale: float = option(
+        1.0,
+        "std of the rollouts' x_0 (0: chains start at x_0 = 0, exploration from the stochastic "
+        "steps alone); the learning curve decodes with the same x_0 std",
+    )
     num_steps: int = option(8, "K: denoising steps of rollouts and of the learner")
     eval_num_steps: int = option(20, "K of the deterministic evaluation ODE")
     sde_mode: Literal["mixed", "last", "all"] = option(
@@ -170,7 +175,7 @@ QUICK = {
 }
 
 
-# What --task lift changes (robosuite Lift, see torchrl_flowpolicy.envs.robosuite_tasks);
+# What --task lift / can change (robosuite Lift and PickPlaceCan, see torchrl_flowpolicy.envs.robosuite_tasks);
 # the pretraining's own task defaults come along.
 RUN_DEFAULTS: dict[str, dict[str, Any]] = {
     "lift": {
@@ -182,6 +187,15 @@ RUN_DEFAULTS: dict[str, dict[str, Any]] = {
         "total_env_steps": 250_000,
         "eval_every": 10,
         "checkpoint_every": 10,
+    },
+    # --task can (robosuite PickPlaceCan): 16 envs x 63 decisions = 1,008 decisions a batch.
+    "can": {
+        **{f"pretrain.{name}": value for name, value in pretrain.DEMO_DEFAULTS["can"].items()},
+        "minibatch_size": 504,
+        "reward_scale": 1.0,
+        "total_env_steps": 500_000,
+        "eval_every": 5,
+        "checkpoint_every": 5,
     },
 }
 
@@ -207,6 +221,8 @@ def sampler_options(config: PPOConfig) -> dict[str, Any]:
         "num_steps": config.num_steps,
         "eval_num_steps": config.eval_num_steps,
         "noise_level": config.noise_level,
+        "rollout_noise_scale": config.rollout_noise_scale,
+        "eval_noise_scale": config.rollout_noise_scale,
         "sde_mode": config.sde_mode,
         "num_sde_steps": config.num_sde_steps,
     }

@@ -82,10 +82,13 @@ RUN_SETTINGS = (
     "terminate_on_success",
 )
 
-# The demonstrations --task lift clones (with the task's own settings, common.task_defaults).
+# The demonstrations --task lift / can clone (with the task's own settings, common.task_defaults).
 # Lift: 15 demonstrations at action noise 0.3 clone to about 40 % in either decoding
 # (5: 3-8 %, 25: 56 %, 40: 70 % sampled; docs/robosuite.md).
-DEMO_DEFAULTS: dict[str, dict[str, Any]] = {"lift": {"demo_episodes": 15, "demo_action_noise": 0.3}}
+DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "lift": {"demo_episodes": 15, "demo_action_noise": 0.3},
+    "can": {"demo_episodes": 15, "demo_action_noise": 0.3},
+}
 # The model fields that come from the task are not command-line options.
 EXCLUDE = tuple(f"model.{name}" for name in TASK_MODEL_FIELDS)
 

@@ -150,6 +150,38 @@ def test_eval_noise_scale_scales_the_initial_noise_of_the_ode_only(scale):
     assert torch.equal(rollout[CHAIN_KEY], sample(reference, tensordict, seed=2)[CHAIN_KEY])
 
 
+@pytest.mark.parametrize("scale", [0.0, 0.5])
+def test_rollout_noise_scale_scales_x0_and_the_log_prob_stays_exact(scale):
+    network = make_network()
+    policy = FlowSDEPolicy(
+        network,
+        action_shape=ACTION_SHAPE,
+        sde_mode="last",
+        num_sde_steps=2,
+        rollout_noise_scale=scale,
+    )
+    reference = FlowSDEPolicy(network, action_shape=ACTION_SHAPE, sde_mode="last", num_sde_steps=2)
+    tensordict = make_tensordict((5,))
+    out = sample(policy, tensordict, seed=3)
+    full = sample(reference, tensordict, seed=3)
+    # Same draws: x_0 is scaled, the later step noise is not.
+    torch.testing.assert_close(out[CHAIN_KEY][:, 0], scale * full[CHAIN_KEY][:, 0])
+    assert not torch.equal(out[CHAIN_KEY][:, -1], full[CHAIN_KEY][:, -1])
+    if scale == 0.0:
+        assert torch.count_nonzero(out[CHAIN_KEY][:, 0]) == 0
+    # Rescoring the stored chain gives the stored log-probs, and these are the Gaussian
+    # densities of the stochastic steps (x_0's density does not enter).
+    torch.testing.assert_close(policy.log_prob(out), out[STEP_LOG_PROB_KEY], rtol=0, atol=1e-5)
+    torch.testing.assert_close(reference.log_prob(out), out[STEP_LOG_PROB_KEY], rtol=0, atol=1e-5)
+    assert torch.all(out[LOG_PROB_KEY] != 0)
+    # Evaluation is untouched: the deterministic ODE still starts from N(0, I).
+    deterministic = ExplorationType.DETERMINISTIC
+    torch.testing.assert_close(
+        sample(policy, tensordict, seed=4, mode=deterministic)["action"],
+        sample(reference, tensordict, seed=4, mode=deterministic)["action"],
+    )
+
+
 # --------------------------------------------------------------------------- log-probs
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("schedule", ["sqrt", "constant"])
@@ -503,6 +535,8 @@ def test_marginal_check_rejects_a_drift_without_score_correction(
         ({"eval_num_steps": 0}, "eval_num_steps"),
         ({"eval_noise_scale": -0.5}, "eval_noise_scale"),
         ({"eval_noise_scale": float("nan")}, "eval_noise_scale"),
+        ({"rollout_noise_scale": -1.0}, "rollout_noise_scale"),
+        ({"rollout_noise_scale": float("inf")}, "rollout_noise_scale"),
         ({"action_shape": (4, 2, 1)}, "action_shape"),
     ],
 )

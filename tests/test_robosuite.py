@@ -1,4 +1,5 @@
-"""robosuite Lift: the gymnasium adapter, the TorchRL environments, the expert and its demos.
+"""robosuite Lift and PickPlaceCan: the gymnasium adapter, the TorchRL environments, the
+experts and their demos.
 
 Covers :mod:`torchrl_flowpolicy.envs.robosuite_tasks` and
 :mod:`~torchrl_flowpolicy.envs.robosuite_experts`. Skipped when robosuite is not installed.
@@ -19,23 +20,30 @@ from torchrl.envs.utils import check_env_specs  # noqa: E402
 
 from torchrl_flowpolicy.envs.batched import BatchedGymEnv  # noqa: E402
 from torchrl_flowpolicy.envs.robosuite_experts import (  # noqa: E402
+    CAN_COMPARTMENT,
+    CanExpert,
     LiftExpert,
     RobosuiteExpertPolicy,
     collect_robosuite_demos,
 )
 from torchrl_flowpolicy.envs.robosuite_tasks import (  # noqa: E402
+    CAN_MAX_EPISODE_STEPS,
     DEFAULT_MAX_EPISODE_STEPS,
     OBSERVATION_SLICES,
     RobosuiteGymEnv,
     make_robosuite_env,
 )
+from torchrl_flowpolicy.envs.tasks import get_task  # noqa: E402
 
 LIFT = OBSERVATION_SLICES["Lift"]
+CAN = OBSERVATION_SLICES["PickPlaceCan"]
 # Lift's success: the cube's centre more than 0.04 m above the table top (z = 0.8 m).
 LIFTED_HEIGHT = 0.84
 
 
-def run_expert(env: RobosuiteGymEnv, seed: int, steps: int, expert: LiftExpert | None = None):
+def run_expert(
+    env: RobosuiteGymEnv, seed: int, steps: int, expert: LiftExpert | CanExpert | None = None
+):
     """Reset with ``seed`` and run the expert; returns the per-step transitions."""
     expert = expert or LiftExpert()
     observation, _ = env.reset(seed=seed)
@@ -266,6 +274,105 @@ def test_expert_policy_in_batched_env():
     assert torch.equal(rollout["next", "terminated"].squeeze(-1), success)
 
 
+# ----------------------------------------------------------------------------- PickPlaceCan
+@pytest.fixture(scope="module")
+def can_env() -> RobosuiteGymEnv:
+    return RobosuiteGymEnv("PickPlaceCan")
+
+
+def test_can_default_horizon_is_the_tasks(can_env):
+    assert can_env.max_episode_steps == CAN_MAX_EPISODE_STEPS == 250
+    assert RobosuiteGymEnv("Lift").max_episode_steps == DEFAULT_MAX_EPISODE_STEPS == 60
+    assert get_task("can").defaults["max_episode_steps"] == CAN_MAX_EPISODE_STEPS
+
+
+def test_can_expert_places_the_can_clean(can_env):
+    expert = CanExpert.from_env(can_env)
+    x_low, x_high, y_low, y_high = CAN_COMPARTMENT
+    lengths = []
+    for seed in (100, 101, 102):
+        transitions = run_expert(can_env, seed=seed, steps=CAN_MAX_EPISODE_STEPS, expert=expert)
+        observation, reward, terminated, truncated, info = transitions[-1]
+        assert terminated and info["success"] and reward == 1.0, f"seed {seed}"
+        assert can_env.check_success()  # robosuite's own test, on the final state
+        can = observation[CAN["can_pos"]]
+        assert x_low < can[0] < x_high and y_low < can[1] < y_high and can[2] < 0.9
+        assert np.linalg.norm(observation[CAN["eef_pos"]] - can) > 0.042  # let go
+        lengths.append(len(transitions))
+    assert max(lengths) <= 140  # measured: 96 steps on average, at most 120
+
+
+def test_can_expert_reads_its_target_from_the_env(can_env):
+    expert = CanExpert.from_env(can_env)
+    default = CanExpert()
+    np.testing.assert_allclose(expert.compartment, CAN_COMPARTMENT, atol=1e-12)
+    np.testing.assert_allclose(expert.compartment, default.compartment, atol=1e-12)
+    assert expert.bin_height == default.bin_height == 0.8
+    np.testing.assert_allclose(expert.drop_point, [0.16, 0.35])
+    robosuite_env = can_env.robosuite_env
+    np.testing.assert_allclose(
+        np.mean(np.reshape(expert.compartment, (2, 2)), axis=1),
+        robosuite_env.target_bin_placements[robosuite_env.object_id][:2],
+    )
+    with pytest.raises(ValueError, match="drop_point"):
+        CanExpert(drop_point=(0.0, 0.0))
+
+
+def test_can_expert_is_batched_and_stateless(can_env):
+    observations = np.stack([can_env.reset(seed=seed)[0] for seed in range(3)])
+    batched = CanExpert().clean_action(observations.reshape(3, 1, 64))
+    assert batched.shape == (3, 1, 7)
+    for index in range(3):
+        np.testing.assert_allclose(batched[index, 0], CanExpert().clean_action(observations[index]))
+    noisy = CanExpert(action_noise=0.5, seed=0)
+    action = noisy.act(observations)
+    assert np.abs(action).max() <= 1 and not np.allclose(action, noisy.last_clean_action)
+    with pytest.raises(ValueError, match="64 features"):
+        CanExpert().clean_action(np.zeros((2, 60)))
+    with pytest.raises(ValueError, match="action_noise"):
+        CanExpert(action_noise=-0.1)
+
+
+def test_can_task_builds_a_batched_chunked_env():
+    task = get_task("can")
+    assert task.observation_dim == max(s.stop for s in CAN.values()) == 64
+    assert task.action_dim == 7 and task.max_eval_envs == 25
+    env = task.make_env(2, 4, **task.defaults)
+    assert env.observation_spec["observation"].shape == (2, task.observation_dim)
+    assert env.action_spec.shape == (2, 4, task.action_dim)
+    rollout = env.rollout(2)
+    assert rollout["next", "observation"].shape == (2, 2, task.observation_dim)
+    assert rollout["action"].shape == (2, 2, 4, 7)
+
+
+def test_can_expert_policy_in_batched_env():
+    task = get_task("can")
+    env = task.make_env(2, None, **task.defaults)
+    env.set_seed(0)
+    rollout = env.rollout(140, task.make_expert(env), break_when_any_done=False)
+    success = rollout["next", "success"].squeeze(-1)
+    assert success.any(-1).all()  # each sub-environment places its can within 140 steps
+    assert torch.equal(rollout["next", "terminated"].squeeze(-1), success)
+
+
+def test_can_demo_collection_layout():
+    demos = get_task("can").collect_demos(2, 0.3, 1, **get_task("can").defaults)
+    lengths = demos["episode_length"]
+    total = int(lengths.sum())
+    assert demos["observation"].shape == (total, 64) and demos["observation"].dtype == torch.float32
+    for key in ("action", "expert_action"):
+        assert demos[key].shape == (total, 7) and demos[key].dtype == torch.float32
+    assert not torch.equal(demos["action"], demos["expert_action"])
+    assert demos["reward"].shape == demos["episode"].shape == demos["step"].shape == (total,)
+    assert torch.equal(demos["episode"], torch.arange(2).repeat_interleave(lengths))
+    assert demos["episode_seed"].tolist() == [1_000_003, 1_000_004]
+    assert demos["success"].all() and lengths.max() < CAN_MAX_EPISODE_STEPS
+    returns = torch.zeros(2).index_add_(0, demos["episode"], demos["reward"])
+    assert torch.equal(returns, demos["success"].float())
+    assert demos["config"]["task"] == "PickPlaceCan"
+    assert demos["config"]["max_episode_steps"] == CAN_MAX_EPISODE_STEPS
+
+
 # ----------------------------------------------------------------------------- errors
 def test_clear_errors():
     with pytest.raises(ValueError, match="unknown robosuite task"):
@@ -281,7 +388,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="render_mode"):
         RobosuiteGymEnv("Lift", render_mode="human")
     with pytest.raises(ValueError, match="no scripted expert"):
-        collect_robosuite_demos(1, 0.0, task="PickPlaceCan")
+        collect_robosuite_demos(1, 0.0, task="Stack")
     chunked = make_robosuite_env(2, executed_chunk_length=4, max_episode_steps=8)
     with pytest.raises(ValueError, match="chunked"):
         RobosuiteExpertPolicy(chunked, LiftExpert())

@@ -35,8 +35,9 @@ class FlowSDEPolicy(TensorDictModuleBase):
     """A velocity network as a TorchRL policy sampling chunks with the Flow-SDE sampler.
 
     Under RANDOM exploration (collectors) it integrates ``num_steps`` steps from
-    ``x_0 ~ N(0, I)``, the steps chosen by ``sde_mode`` being stochastic Flow-SDE steps, and
-    writes (``[*B]`` the batch shape; keys renamed with :meth:`set_keys`):
+    ``x_0 = rollout_noise_scale * N(0, I)``, the steps chosen by ``sde_mode`` being
+    stochastic Flow-SDE steps, and writes (``[*B]`` the batch shape; keys renamed with
+    :meth:`set_keys`):
 
     | key (``set_keys`` name) | shape | meaning |
     | --- | --- | --- |
@@ -67,8 +68,13 @@ class FlowSDEPolicy(TensorDictModuleBase):
         num_steps: ``K`` for rollouts and ``log_prob``.
         eval_num_steps: ``K`` for the deterministic ODE.
         eval_noise_scale: the standard deviation of the deterministic ODE's initial noise
-            (>= 0; 1 samples the model's distribution, 0 decodes ``x_0 = 0``). Rollouts
-            (RANDOM) and ``log_prob`` always start from ``N(0, I)``.
+            (>= 0; 1 samples the model's distribution, 0 decodes ``x_0 = 0``).
+        rollout_noise_scale: the standard deviation of the rollouts' (RANDOM) initial noise
+            ``x_0`` (>= 0; default 1, the model's distribution). With 0 every chain starts at
+            ``x_0 = 0``: the exploration then comes from the stochastic steps alone, all of it
+            in the log-probability, and the noise-free decoding (``eval_noise_scale=0``) is
+            the policy that the rollouts perturb. ``x_0`` is stored in the chain, and its
+            density does not depend on the parameters, so ``log_prob`` is the same either way.
         noise_level: ``a`` (>= 0), the exploration knob. With ``a = 0`` no step is stochastic
             (the RANDOM chain is the Euler ODE, its log-probs are 0).
         sde_mode: ``"mixed"`` (one random stochastic step in ``1..K-1``), ``"last"``
@@ -117,6 +123,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         num_steps: int = 8,
         eval_num_steps: int = 20,
         eval_noise_scale: float = 1.0,
+        rollout_noise_scale: float = 1.0,
         noise_level: float = 0.5,
         sde_mode: SDEMode = "mixed",
         num_sde_steps: int = 4,
@@ -145,6 +152,10 @@ class FlowSDEPolicy(TensorDictModuleBase):
             raise ValueError(
                 f"eval_noise_scale must be a finite number >= 0, got {eval_noise_scale}."
             )
+        if not (math.isfinite(rollout_noise_scale) and rollout_noise_scale >= 0):
+            raise ValueError(
+                f"rollout_noise_scale must be a finite number >= 0, got {rollout_noise_scale}."
+            )
         flow.check_sampler(num_steps, noise_level, sde_mode, num_sde_steps, shift, noise_schedule)
         self.velocity_network = velocity_network
         self.encoder = encoder
@@ -156,6 +167,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         self.num_steps = num_steps
         self.eval_num_steps = eval_num_steps
         self.eval_noise_scale = float(eval_noise_scale)
+        self.rollout_noise_scale = float(rollout_noise_scale)
         self.noise_level = float(noise_level)
         self.sde_mode = sde_mode
         self.num_sde_steps = num_sde_steps
@@ -291,6 +303,8 @@ class FlowSDEPolicy(TensorDictModuleBase):
         sde_mask = flow.sample_sde_mask(
             (num_decisions,), num_steps, self.sde_mode, self.num_sde_steps, device=device
         )
+        if self.rollout_noise_scale != 1.0:
+            noise[:, 0] = noise[:, 0] * self.rollout_noise_scale
         if self.noise_level == 0:
             # No noise, no Gaussian step: the chain is the Euler ODE and has no density.
             sde_mask = torch.zeros_like(sde_mask)

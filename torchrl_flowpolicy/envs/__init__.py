@@ -4,7 +4,7 @@ The default task is split by concept: :mod:`~torchrl_flowpolicy.envs.pusher` (ta
 success test, :class:`PusherTask`, :func:`make_pusher_env`),
 :mod:`~torchrl_flowpolicy.envs.pusher_expert` (the scripted :class:`PusherExpert`) and
 :mod:`~torchrl_flowpolicy.envs.demonstrations` (collecting and caching its demonstrations); :mod:`~torchrl_flowpolicy.envs.tasks` names the tasks the
-examples run (``"pusher"``, robosuite's ``"lift"``), whose robosuite parts
+examples run (``"pusher"``, robosuite's ``"lift"`` and ``"can"``), whose robosuite parts
 (:mod:`~torchrl_flowpolicy.envs.robosuite_tasks`, :mod:`~torchrl_flowpolicy.envs.robosuite_experts`)
 are imported only when used.
 """

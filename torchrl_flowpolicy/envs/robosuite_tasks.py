@@ -1,4 +1,4 @@
-"""robosuite manipulation tasks (Lift first) as gymnasium and TorchRL environments.
+"""robosuite manipulation tasks (Lift, PickPlaceCan) as gymnasium and TorchRL environments.
 
 :class:`RobosuiteGymEnv` adapts one robosuite task to gymnasium; :func:`make_robosuite_env`
 batches it (:class:`~torchrl_flowpolicy.envs.BatchedGymEnv`) and optionally chunks it, like
@@ -31,10 +31,18 @@ Task facts (robosuite 1.5.2, MuJoCo 3.9.0, robot ``"Panda"``, the default contro
   table centre with a uniform yaw; the arm starts at the same posture plus 0.02 rad Gaussian
   joint noise, the grip site 0.17-0.20 m above the cube. Success (``_check_success``): the cube's
   centre is more than 0.04 m above the table top (z = 0.8 m), i.e. lifted by about 2 cm.
-- PickPlaceCan (observation layout only; no expert yet): the can starts in bin 1 (y < 0) and
-  must be put in its compartment of bin 2. Its relative entries (``can_to_eef_*``, the can's
-  pose in the hand frame) read 0 in a reset's observation (robosuite computes them from a
-  cache that is empty then); the absolute ones are right.
+- PickPlaceCan: a can (radius 0.025 m, 0.08 m tall, 16 g) stands in bin 1 (centred at
+  ``(0.1, -0.25)``, floor top at z = 0.82 m, walls up to z = 0.9 m), its centre uniform in
+  ``x in [-0.02, 0.22]``, ``y in [-0.42, -0.08]`` with a uniform yaw, the other three objects
+  of PickPlace moved out of the scene. It must go into its compartment of bin 2, the quarter
+  ``x in (0.1, 0.295)``, ``y in (0.28, 0.525)`` behind dividers 0.02 m thick. Success
+  (``_check_success``): the can's centre in that compartment less than 0.1 m above the bin
+  (z < 0.9 m) and the grip site more than 0.042 m from it (let go). The robot's base is at
+  ``(-0.5, -0.1)``: with the hand pointing down the compartment's centre is out of reach (the
+  hand stops about 9 cm short of it at z = 0.9 m), its corner nearest the robot is not. The
+  can's relative entries (``can_to_eef_*``, its pose in the hand frame) read 0 in a reset's
+  observation (robosuite computes them from a cache that is empty then); the absolute ones
+  are right.
 
 Rewards (``reward``): ``"success"`` gives 1.0 on the step where ``_check_success()`` first
 holds, else 0 (an episode's return is its success). ``"shaped"`` is robosuite's own staged
@@ -47,10 +55,11 @@ Measured here (Lift, one process on one core, no rendering): an environment step
 chunked or not) environment steps/s through :func:`make_robosuite_env` with random actions; a
 reset costs about 1 ms (a hard reset, which rebuilds the simulation, about 90 ms); building
 an environment about 1 s the first time in a process, 0.1 s after; an offscreen 256x256 frame
-40-45 ms. The default horizon (:data:`DEFAULT_MAX_EPISODE_STEPS` = 60 steps, 3 s) and the
-scripted expert's success rates and episode lengths are in
-:mod:`~torchrl_flowpolicy.envs.robosuite_experts`: the clean expert lifts the cube in 24 steps
-on average (at most 29), uniform random actions never do.
+40-45 ms. The default horizons (:data:`DEFAULT_MAX_EPISODE_STEPS` = 60 steps, 3 s, for Lift;
+:data:`CAN_MAX_EPISODE_STEPS` = 250 steps, 12.5 s, for PickPlaceCan) and the scripted experts'
+success rates and episode lengths are in :mod:`~torchrl_flowpolicy.envs.robosuite_experts`:
+the clean experts lift the cube in 24 steps on average (at most 29) and place the can in 96
+(at most 120); uniform random actions never do either.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ from torchrl_flowpolicy.envs.batched import BatchedGymEnv
 from torchrl_flowpolicy.envs.chunking import make_chunked_env
 
 __all__ = [
+    "CAN_MAX_EPISODE_STEPS",
     "DEFAULT_MAX_EPISODE_STEPS",
     "OBSERVATION_SLICES",
     "PROPRIO_SLICES",
@@ -85,8 +95,10 @@ __all__ = [
 RewardMode = Literal["success", "shaped"]
 REWARD_MODES: tuple[RewardMode, ...] = ("success", "shaped")
 
-# Chosen from the expert's measured episode lengths: see robosuite_experts' docstring.
+# Lift's horizon (the default task's), chosen from the expert's measured episode lengths:
+# see robosuite_experts' docstring. Each task has its own (RobosuiteTask.max_episode_steps).
 DEFAULT_MAX_EPISODE_STEPS = 60
+CAN_MAX_EPISODE_STEPS = 250
 
 #: ``robot0_proprio-state`` of the Panda (50 features), relative to its start.
 PROPRIO_SLICES: dict[str, slice] = {
@@ -116,11 +128,15 @@ class RobosuiteTask:
         env_name: robosuite's environment name (``robosuite.make``'s first argument).
         object_slices: the ``object-state`` entries, in robosuite's order, and their slices.
         make_kwargs: further fixed arguments of ``robosuite.make``.
+        max_episode_steps: the task's default time limit, in environment steps (chosen from
+            its scripted expert's episode lengths: see
+            :mod:`~torchrl_flowpolicy.envs.robosuite_experts`).
     """
 
     env_name: str
     object_slices: dict[str, slice]
     make_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS
 
     @property
     def object_dim(self) -> int:
@@ -154,6 +170,7 @@ TASKS: dict[str, RobosuiteTask] = {
             "can_pos": slice(7, 10),  # world frame, m
             "can_quat": slice(10, 14),  # (x, y, z, w)
         },
+        max_episode_steps=CAN_MAX_EPISODE_STEPS,
     ),
 }
 
@@ -210,7 +227,8 @@ class RobosuiteGymEnv(gym.Env):
         task: ``"Lift"`` or ``"PickPlaceCan"`` (:data:`TASKS`).
 
     Keyword Args:
-        max_episode_steps: the time limit, in steps of 0.05 s.
+        max_episode_steps: the time limit, in steps of 0.05 s (``None``: the task's,
+            :attr:`RobosuiteTask.max_episode_steps`: 60 for Lift, 250 for PickPlaceCan).
         reward: ``"success"`` (1.0 on the first successful step) or ``"shaped"``
             (robosuite's staged reward; module docstring).
         terminate_on_success: whether success ends the episode (``terminated=True``).
@@ -241,7 +259,7 @@ class RobosuiteGymEnv(gym.Env):
         self,
         task: str = "Lift",
         *,
-        max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS,
+        max_episode_steps: int | None = None,
         reward: RewardMode = "success",
         terminate_on_success: bool = True,
         render_mode: Literal["rgb_array"] | None = None,
@@ -253,6 +271,8 @@ class RobosuiteGymEnv(gym.Env):
         **robosuite_kwargs: Any,
     ):
         spec = _check_task(task)
+        if max_episode_steps is None:
+            max_episode_steps = spec.max_episode_steps
         if reward not in REWARD_MODES:
             raise ValueError(f"reward must be one of {REWARD_MODES}, got {reward!r}.")
         if max_episode_steps < 1:
@@ -425,7 +445,7 @@ def make_robosuite_env(
     executed_chunk_length: int | None = None,
     *,
     task: str = "Lift",
-    max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS,
+    max_episode_steps: int | None = None,
     reward: RewardMode = "success",
     terminate_on_success: bool = True,
     device: str | torch.device | None = None,
@@ -452,7 +472,8 @@ def make_robosuite_env(
 
     Keyword Args:
         task: ``"Lift"`` or ``"PickPlaceCan"``.
-        max_episode_steps: the time limit (truncation), in environment steps.
+        max_episode_steps: the time limit (truncation), in environment steps (``None``: the
+            task's, :attr:`RobosuiteTask.max_episode_steps`).
         reward: ``"success"`` or ``"shaped"`` (:class:`RobosuiteGymEnv`).
         terminate_on_success: whether success ends the episode (``terminated``).
         device: the TorchRL device of the environment.
@@ -469,7 +490,9 @@ def make_robosuite_env(
         >>> rollout["action"].shape, rollout["next", "success"].shape
         (torch.Size([2, 2, 4, 7]), torch.Size([2, 2, 1]))
     """
-    _check_task(task)
+    spec = _check_task(task)
+    if max_episode_steps is None:
+        max_episode_steps = spec.max_episode_steps
     if reward not in REWARD_MODES:
         raise ValueError(f"reward must be one of {REWARD_MODES}, got {reward!r}.")
     if max_episode_steps < 1:

@@ -1,19 +1,21 @@
-"""The tasks the examples train on, by name: ``"pusher"`` (the default) and ``"lift"``.
+"""The tasks the examples train on, by name: ``"pusher"`` (the default), ``"lift"``, ``"can"``.
 
 A :class:`Task` gathers what a script needs to know about a task without knowing which one
 it is: the sizes of its observation and action, the keyword options its environment factory
 takes, and three factories (the environment, its scripted expert as a policy, the expert's
-demonstrations). :func:`get_task` returns one by name. The robosuite task is imported only
-when one of its factories runs, so ``import torchrl_flowpolicy`` never needs robosuite.
+demonstrations). :func:`get_task` returns one by name. The robosuite tasks are imported only
+when one of their factories runs, so ``import torchrl_flowpolicy`` never needs robosuite.
 
 | name | environment | expert | observation | action |
 | --- | --- | --- | --- | --- |
 | ``"pusher"`` | :func:`~torchrl_flowpolicy.envs.make_pusher_env` | :class:`~torchrl_flowpolicy.envs.PusherExpertPolicy` | 23 | 7 joint torques |
 | ``"lift"`` | ``make_robosuite_env(task="Lift")`` | ``LiftExpert`` | 60 | 7 (OSC pose delta + gripper) |
+| ``"can"`` | ``make_robosuite_env(task="PickPlaceCan")`` | ``CanExpert`` | 64 | 7 (OSC pose delta + gripper) |
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,21 +103,29 @@ def _pusher_demos(
 
 
 # ----------------------------------------------------------------------------- robosuite
-def _lift_env(
-    num_envs: int | None = None, executed_chunk_length: int | None = None, **options: Any
+def _robosuite_env(
+    task: str,
+    num_envs: int | None = None,
+    executed_chunk_length: int | None = None,
+    **options: Any,
 ) -> EnvBase:
     from torchrl_flowpolicy.envs.robosuite_tasks import make_robosuite_env
 
-    return make_robosuite_env(num_envs, executed_chunk_length, task="Lift", **options)
+    return make_robosuite_env(num_envs, executed_chunk_length, task=task, **options)
 
 
-def _lift_expert(env: EnvBase, action_noise: float = 0.0, seed: int = 0) -> TensorDictModuleBase:
-    from torchrl_flowpolicy.envs.robosuite_experts import LiftExpert, RobosuiteExpertPolicy
+def _robosuite_expert(
+    task: str, env: EnvBase, action_noise: float = 0.0, seed: int = 0
+) -> TensorDictModuleBase:
+    # The expert's default settings match the layout make_robosuite_env builds (CanExpert's
+    # target is robosuite's default compartment; tests compare it with CanExpert.from_env).
+    from torchrl_flowpolicy.envs.robosuite_experts import EXPERTS, RobosuiteExpertPolicy
 
-    return RobosuiteExpertPolicy(env, LiftExpert(action_noise=action_noise, seed=seed))
+    return RobosuiteExpertPolicy(env, EXPERTS[task](action_noise=action_noise, seed=seed))
 
 
-def _lift_demos(
+def _robosuite_demos(
+    task: str,
     num_episodes: int,
     action_noise: float,
     seed: int = 0,
@@ -126,8 +136,18 @@ def _lift_demos(
     from torchrl_flowpolicy.envs.robosuite_experts import collect_robosuite_demos
 
     return collect_robosuite_demos(
-        num_episodes, action_noise, seed, task="Lift", progress=progress, **options
+        num_episodes, action_noise, seed, task=task, progress=progress, **options
     )
+
+
+def _robosuite_factories(task: str) -> dict[str, Callable[..., Any]]:
+    """``make_env``, ``make_expert`` and ``collect_demos`` of a robosuite task (picklable:
+    partials of module functions, so that collector processes can build the environment)."""
+    return {
+        "make_env": functools.partial(_robosuite_env, task),
+        "make_expert": functools.partial(_robosuite_expert, task),
+        "collect_demos": functools.partial(_robosuite_demos, task),
+    }
 
 
 TASKS: dict[str, Task] = {
@@ -148,10 +168,18 @@ TASKS: dict[str, Task] = {
         observation_dim=60,
         action_dim=7,
         option_names=("max_episode_steps", "reward", "terminate_on_success"),
-        make_env=_lift_env,
-        make_expert=_lift_expert,
-        collect_demos=_lift_demos,
+        **_robosuite_factories("Lift"),
         defaults={"max_episode_steps": 60, "reward": "success", "terminate_on_success": True},
+        max_eval_envs=25,
+    ),
+    "can": Task(
+        name="can",
+        title="robosuite PickPlaceCan (Panda)",
+        observation_dim=64,
+        action_dim=7,
+        option_names=("max_episode_steps", "reward", "terminate_on_success"),
+        **_robosuite_factories("PickPlaceCan"),
+        defaults={"max_episode_steps": 250, "reward": "success", "terminate_on_success": True},
         max_eval_envs=25,
     ),
 }
