@@ -5,7 +5,8 @@ exploration) on a task, the two halves from the same initial states (reset seeds
 ``seed .. seed + episodes - 1``) with independent sampler noise, and computes in each half the
 REINFORCE gradient of the chains' log-probabilities (``policy.log_prob``) weighted by the
 advantage: for ``--reward success`` the episode's success minus the half's mean success on
-every decision of the episode; for ``--reward shaped`` the decision's discounted reward-to-go
+every decision of the episode; for another reward (Lift's ``shaped``, Pusher's ``progress``)
+the decision's discounted reward-to-go
 minus the half's mean at the same decision index. The cosine between the two halves'
 gradients is near 1 when a batch of that size points a consistent way and near 0 when its
 direction is noise; PPO's update follows that direction, so a cosine near 0 at the batch
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -78,16 +80,28 @@ def main() -> None:
     parser.add_argument("--task", default="lift")
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--episodes", type=int, default=96, help="episodes per half")
-    parser.add_argument("--decisions", type=int, default=15, help="decisions per episode")
+    parser.add_argument(
+        "--decisions", type=int, default=0, help="decisions per episode (0: the task's horizon)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=20_000, help="first reset seed")
-    parser.add_argument("--reward", choices=["success", "shaped"], default="success")
+    parser.add_argument(
+        "--reward",
+        default="success",
+        help="success: the episode's success (sparse); any other reward of the task (lift: "
+        "shaped; pusher: progress) is used as the decisions' discounted reward-to-go",
+    )
     parser.add_argument("--discount", type=float, default=0.99**4, help="per decision")
     parser.add_argument("--settings", nargs="+", default=["0.5,last,4,1.0"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = get_task(args.task)
-    options = {"reward": args.reward, "terminate_on_success": args.reward == "success"}
+    horizon = args.decisions
+    options = {"reward": args.reward}
+    if "terminate_on_success" in task.option_names:
+        options["terminate_on_success"] = args.reward == "success"
+    if "max_episode_steps" in task.option_names:
+        options["max_episode_steps"] = task.defaults["max_episode_steps"]
     for setting in args.settings:
         noise_level, sde_mode, num_sde_steps, rollout_noise_scale = setting.split(",")
         sampler = {
@@ -97,7 +111,9 @@ def main() -> None:
             "rollout_noise_scale": float(rollout_noise_scale),
         }
         policy, model_config, _ = load_policy(Path(args.checkpoint), **sampler)
-        env = task.make_env(args.episodes, model_config.executed_chunk_length, **options)
+        executed = model_config.executed_chunk_length
+        args.decisions = horizon or math.ceil(task.defaults["max_episode_steps"] / executed)
+        env = task.make_env(args.episodes, executed, **options)
         cosines, successes = [], []
         for repeat in range(args.repeats):
             first, success_first = half_gradient(policy, env, args, 2 * repeat)

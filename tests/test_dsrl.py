@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -424,3 +425,31 @@ def test_dsrl_example_zero_mean_start_is_the_noise_free_policy(tmp_path):
         # 1.9, the same before and after the policy's redesign), so the returns agree to 1 %,
         # not bit for bit; a wrong decoding moves them by far more.
         assert row["mean_return"] == pytest.approx(summary["bc_noise_free_return"], rel=1e-2)
+
+
+@pytest.mark.slow
+def test_dsrl_example_runs_robosuite_can(tmp_path, check_protocol_fields):
+    # PickPlaceCan through the same script (demonstrations, pretraining, SAC on the noise,
+    # the protocol with the expert), on a 40-step horizon to stay short: the expert needs
+    # about 100 steps, so every episode fails and the point is the plumbing of the task.
+    pytest.importorskip("robosuite")
+    options = ["--task", "can", "--max_episode_steps", "40", "--pretrain.demo_episodes", "2"]
+    options += ["--total_env_steps", "320", "--random_env_steps", "160"]
+    options += ["--eval_every_env_steps", "160", "--checkpoint_every_env_steps", "160"]
+    environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
+    result = subprocess.run(
+        quick_dsrl_command(tmp_path, *options),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=environment,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["config"]["task"] == "can"
+    assert summary["pretrained"]["config"]["model"]["observation_dim"] == 64
+    assert summary["env_steps"] == 320
+    assert (tmp_path / "demos" / "can_T40_action_noise0.3_n2_seed0.pt").is_file()
+    check_protocol_fields(summary, result.stdout, "DSRL", "noise_free")
+    assert summary["held_out"]["success"]["expert"]["rate"] == 0.0  # 40 steps are too few

@@ -10,7 +10,7 @@ layout of :func:`~torchrl_flowpolicy.envs.collect_demos`.
 
 Measured (LiftExpert, robosuite 1.5.2, 100 episodes with reset seeds 1000-1099, which were
 not used for tuning; Gaussian noise added to all 7 action entries, then clipped; success ends
-an episode; one core):
+an episode; one core; ``benchmarks/expert_episodes.py --task Lift --action_noise A``):
 
 | action noise | success within 60 / 200 steps | successful episodes' length: mean, median, p90, max |
 | --- | --- | --- |
@@ -39,7 +39,8 @@ each failed episode, the common case early in RL, cost more of a budget of a few
 thousand environment steps (about 260 steps/s per core here).
 
 Measured (CanExpert, the same conditions: robosuite 1.5.2, 100 episodes with reset seeds
-1000-1099, not used for tuning, which used seeds 0-99; episodes run up to 400 steps):
+1000-1099, not used for tuning, which used seeds 0-99; episodes run up to 400 steps;
+``benchmarks/expert_episodes.py --task PickPlaceCan --action_noise A``):
 
 | action noise | success within 250 / 400 steps | successful episodes' length: mean, median, p90, max |
 | --- | --- | --- |
