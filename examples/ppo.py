@@ -175,8 +175,8 @@ QUICK = {
 }
 
 
-# What --task lift / can change (robosuite Lift and PickPlaceCan, see torchrl_flowpolicy.envs.robosuite_tasks);
-# the pretraining's own task defaults come along.
+# What --task lift / can change (robosuite Lift and PickPlaceCan, see
+# torchrl_flowpolicy.envs.robosuite_tasks); the pretraining's own task defaults come along.
 RUN_DEFAULTS: dict[str, dict[str, Any]] = {
     "lift": {
         **{f"pretrain.{name}": value for name, value in pretrain.DEMO_DEFAULTS["lift"].items()},
