@@ -49,6 +49,7 @@ class PretrainConfig(TaskOptions):
 
     seed: int = option(0, "seeds torch (initialisation, minibatches, flow-matching noise)")
     output_dir: str = option("outputs/pretrain", "where the checkpoint and summary go")
+    checkpoint_name: str = option("policy.pt", "file name of the checkpoint in output_dir")
     demo_dir: str = option("outputs/demos", "demonstration cache (made by the scripted expert)")
     demo_episodes: int = option(
         5, "scripted-expert episodes to clone (few-shot: the start leaves RL real work)"
@@ -76,6 +77,7 @@ RUN_SETTINGS = (
     "threads",
     "task",
     "output_dir",
+    "checkpoint_name",
     "max_episode_steps",
     "success_threshold",
     "reward",
@@ -105,6 +107,7 @@ def config_for_run(run: Any) -> PretrainConfig:
         threads=run.threads,
         task=run.task,
         output_dir=str(Path(run.pretrained_checkpoint).parent),
+        checkpoint_name=Path(run.pretrained_checkpoint).name,
         max_episode_steps=run.max_episode_steps,
         success_threshold=run.success_threshold,
         reward=run.reward,
@@ -227,9 +230,10 @@ def main(config: PretrainConfig) -> dict:
         "train_seconds": train_seconds,
         "total_seconds": time.perf_counter() - start,
     }
-    save_policy(output_dir / "policy.pt", policy, config.model, summary=json.dumps(summary))
+    checkpoint = output_dir / config.checkpoint_name
+    save_policy(checkpoint, policy, config.model, summary=json.dumps(summary))
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"saved {output_dir / 'policy.pt'} ({summary['total_seconds']:.0f} s)")
+    print(f"saved {checkpoint} ({summary['total_seconds']:.0f} s)")
     return summary
 
 

@@ -258,7 +258,7 @@ def test_pretraining_is_an_explicit_call_that_leaves_the_config_alone(
     module = importlib.import_module(script)
     config = module.parse_args(
         ["--quick", "--seed", "5", "--reward", "gymnasium", "--output_dir", str(tmp_path / "run"),
-         "--pretrained_checkpoint", str(tmp_path / "bc" / "policy.pt")]
+         "--pretrained_checkpoint", str(tmp_path / "bc" / "bc_seed5.pt")]
     )  # fmt: skip
     before = copy.deepcopy(config)
     called = []
@@ -277,6 +277,7 @@ def test_pretraining_is_an_explicit_call_that_leaves_the_config_alone(
     (pretrain_config,) = called
     assert pretrain_config.seed == 5 and pretrain_config.reward == "gymnasium"
     assert pretrain_config.output_dir == str(tmp_path / "bc")
+    assert pretrain_config.checkpoint_name == "bc_seed5.pt"  # writes pretrained_checkpoint
     assert pretrain_config.train_steps == 150  # --quick's, from config.pretrain
     assert pretrain_config == pretrain.config_for_run(config)
 
