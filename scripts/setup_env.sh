@@ -1,8 +1,9 @@
 # Sourced by run_main.sh and run_tests.sh: create .venv if missing, install the project with
 # all its extras, activate it, and set the environment the jobs run under.
 #
-# torch is installed first, pinned (an unpinned torch resolves to a multi-GB CUDA build). To
-# take the CPU build from a specific index, set TORCH_INDEX_URL, e.g.
+# Every install takes the exact versions of scripts/constraints.txt (pyproject.toml declares
+# ranges). torch is installed first, pinned there (an unpinned torch resolves to a multi-GB
+# CUDA build). To take the CPU build from a specific index, set TORCH_INDEX_URL, e.g.
 #   TORCH_INDEX_URL=<your CPU wheel index> bash scripts/run_tests.sh
 # PYTHON chooses the interpreter that creates .venv (default: python3.11, else python3).
 
@@ -14,7 +15,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIP_NO_INPUT=1
 export NO_MKDOCS_2_WARNING=1
 
-TORCH_VERSION="2.13.0"
+CONSTRAINTS="scripts/constraints.txt"
+TORCH_VERSION="$(sed -n 's/^torch==//p' "$CONSTRAINTS")"
 
 if [[ ! -x .venv/bin/python ]]; then
     if [[ -z "${PYTHON:-}" ]]; then
@@ -34,14 +36,15 @@ fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
 
-# Reinstall only when the package metadata or this script changed since the last install.
-stamp=".venv/.installed-$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)"
+# Reinstall only when the package metadata, the pins or this script changed since the last
+# install.
+stamp=".venv/.installed-$(cat pyproject.toml "$CONSTRAINTS" scripts/setup_env.sh | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
-    echo "[setup] installing torch==${TORCH_VERSION} and the project with [examples,robosuite,dev,docs]"
+    echo "[setup] installing torch==${TORCH_VERSION} and the project with [examples,robosuite,dev,docs] (pins: $CONSTRAINTS)"
     start=$SECONDS
-    python -m pip install --quiet "torch==${TORCH_VERSION}" \
+    python -m pip install --quiet -c "$CONSTRAINTS" torch \
         ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-    python -m pip install --quiet -e ".[examples,robosuite,dev,docs]"
+    python -m pip install --quiet -c "$CONSTRAINTS" -e ".[examples,robosuite,dev,docs]"
     rm -f .venv/.installed-*
     touch "$stamp"
     echo "[setup] installed in $((SECONDS - start)) s"

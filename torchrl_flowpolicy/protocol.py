@@ -36,8 +36,6 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from torchrl_flowpolicy.envs.pusher import DEFAULT_MAX_EPISODE_STEPS
-from torchrl_flowpolicy.envs.tasks import get_task
 from torchrl_flowpolicy.evaluation import DECODINGS, Decoding, evaluate_episodes
 from torchrl_flowpolicy.statistics import paired_bootstrap_interval, wilson_interval
 
@@ -140,6 +138,11 @@ def evaluate_expert(
     Returns:
         ``{"return", "success", "length"}``, each ``[num_episodes]``.
     """
+    # Imported here: the environments need the simulators (the ``envs`` extra), the rest of
+    # this module does not.
+    from torchrl_flowpolicy.envs.pusher import DEFAULT_MAX_EPISODE_STEPS
+    from torchrl_flowpolicy.envs.tasks import get_task
+
     spec = get_task(task)
     max_episode_steps = task_options.get("max_episode_steps", DEFAULT_MAX_EPISODE_STEPS)
     max_envs = spec.max_eval_envs if max_envs is None else max_envs

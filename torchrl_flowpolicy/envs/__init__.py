@@ -7,19 +7,73 @@ success test, :class:`PusherTask`, :func:`make_pusher_env`),
 examples run (``"pusher"``, robosuite's ``"lift"`` and ``"can"``), whose robosuite parts
 (:mod:`~torchrl_flowpolicy.envs.robosuite_tasks`, :mod:`~torchrl_flowpolicy.envs.robosuite_experts`)
 are imported only when used.
+
+Every name below is imported on first use, from its module: :func:`make_chunked_env`,
+:class:`ChunkedAction` and :func:`decision_discount` need TorchRL only, the rest needs the
+simulators (``pip install "torchrl_flowpolicy[envs]"``).
 """
 
-from torchrl_flowpolicy.envs.batched import BatchedGymEnv
-from torchrl_flowpolicy.envs.chunking import ChunkedAction, decision_discount, make_chunked_env
-from torchrl_flowpolicy.envs.demonstrations import collect_demos, load_or_collect_demos
-from torchrl_flowpolicy.envs.pusher import (
-    PusherTask,
-    is_success,
-    make_pusher_env,
-    object_goal_distance,
-)
-from torchrl_flowpolicy.envs.pusher_expert import PusherExpert, PusherExpertPolicy
-from torchrl_flowpolicy.envs.tasks import TASKS, Task, get_task
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torchrl_flowpolicy.envs.batched import BatchedGymEnv
+    from torchrl_flowpolicy.envs.chunking import ChunkedAction, decision_discount, make_chunked_env
+    from torchrl_flowpolicy.envs.demonstrations import collect_demos, load_or_collect_demos
+    from torchrl_flowpolicy.envs.pusher import (
+        PusherTask,
+        is_success,
+        make_pusher_env,
+        object_goal_distance,
+    )
+    from torchrl_flowpolicy.envs.pusher_expert import PusherExpert, PusherExpertPolicy
+    from torchrl_flowpolicy.envs.tasks import TASKS, Task, get_task
+
+# Each public name and the submodule that defines it.
+_SOURCES = {
+    "BatchedGymEnv": "batched",
+    "ChunkedAction": "chunking",
+    "decision_discount": "chunking",
+    "make_chunked_env": "chunking",
+    "collect_demos": "demonstrations",
+    "load_or_collect_demos": "demonstrations",
+    "PusherTask": "pusher",
+    "is_success": "pusher",
+    "make_pusher_env": "pusher",
+    "object_goal_distance": "pusher",
+    "PusherExpert": "pusher_expert",
+    "PusherExpertPolicy": "pusher_expert",
+    "TASKS": "tasks",
+    "Task": "tasks",
+    "get_task": "tasks",
+}
+_SIMULATORS = ("gymnasium", "mujoco", "robosuite")
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its submodule on first use (PEP 562)."""
+    if name not in _SOURCES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f"{__name__}.{_SOURCES[name]}")
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] in _SIMULATORS:
+            raise ModuleNotFoundError(
+                f"{__name__}.{name} needs {error.name!r}, which is not installed: "
+                "pip install 'torchrl_flowpolicy[envs]' (robosuite's tasks: '[robosuite]').",
+                name=error.name,
+            ) from error
+        raise
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "BatchedGymEnv",
