@@ -61,6 +61,7 @@ def action_spread(path: Path, observation, setting: str) -> dict[str, object]:
         sde_mode=sde_mode,
         num_sde_steps=int(num_sde_steps),
         rollout_noise_scale=float(rollout_noise_scale),
+        eval_noise_scale=1.0,  # the ODE from x_0 ~ N(0, I): the model's own spread
     )
     batch = TensorDict({"observation": torch.as_tensor(observation).expand(512, -1)}, [512])
     torch.manual_seed(0)

@@ -213,7 +213,8 @@ def main(config: PretrainConfig) -> dict:
         config.model, observation_dim=task.observation_dim, action_dim=task.action_dim
     )
     normalizer = ObservationNormalizer.from_data(dataset["observation"])
-    policy = build_policy(config.model, normalizer)
+    # The parity check below evaluates the model's distribution (x_0 ~ N(0, I)).
+    policy = build_policy(config.model, normalizer, eval_noise_scale=1.0)
     losses = train(policy, dataset, config)
     train_seconds = time.perf_counter() - start
 

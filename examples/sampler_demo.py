@@ -104,6 +104,7 @@ def make_policy(config: SamplerDemoConfig, observation_dim: int, action_dim: int
         encoder=encoder,
         num_steps=config.num_steps,
         eval_num_steps=config.eval_num_steps,
+        eval_noise_scale=1.0,  # the deterministic ODE from x_0 ~ N(0, I): the model's samples
         noise_level=config.noise_level,
         sde_mode=config.sde_mode,
         num_sde_steps=config.num_sde_steps,

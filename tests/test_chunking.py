@@ -13,7 +13,7 @@ import functools
 
 import pytest
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.envs import (
     Compose,
@@ -313,3 +313,128 @@ def test_decision_discount():
         decision_discount(1.5, 4)
     with pytest.raises(ValueError, match="executed_chunk_length"):
         decision_discount(0.99, 0)
+
+
+# ---------------------------------------------------------------------------- frame accounting
+def test_env_steps_count_the_executed_environment_steps():
+    # Episodes of 6 steps with chunks of 4: the decisions execute 4, 2, 4, 2, ... steps.
+    env = make_chunked_env(make_base_env(max_episode_steps=6), 4)
+    assert env.observation_spec["env_steps"].dtype == torch.int64
+    check_env_specs(env, seed=0)
+    env.set_seed(5)
+    assert env.reset()["env_steps"].item() == 0
+    rollout = env.rollout(6, replay_policy(random_chunks(6, 4), 0), break_when_any_done=False)
+    env.close()
+    assert rollout["next", "env_steps"].squeeze(-1).tolist() == [4, 2, 4, 2, 4, 2]
+    executed = rollout["next", "step_count"] - rollout["step_count"]
+    assert torch.equal(rollout["next", "env_steps"], executed)
+
+
+def test_env_steps_of_a_batched_env_count_only_the_stepping_sub_envs():
+    # As in check_batched_env: sub-environment 0 ends its episodes after 6 steps, 1 after 9.
+    env = make_chunked_env(make_batched_env(SerialEnv, (6, 9)), 4)
+    env.set_seed(7)
+    chunks = random_chunks(6, 4, 2, seed=3)
+    rollout = env.rollout(6, replay_policy(chunks, 1), break_when_any_done=False)
+    env_steps = rollout["next", "env_steps"]
+    assert env_steps.squeeze(-1).tolist() == [[4, 2, 4, 2, 4, 2], [4, 4, 1, 4, 4, 1]]
+    assert torch.equal(env_steps, rollout["next", "step_count"] - rollout["step_count"])
+    # A sub-environment that a partial step skips executes nothing.
+    tensordict = env.reset().set("action", chunks[:, 0]).set("_step", torch.tensor([False, True]))
+    assert env.step(tensordict)["next", "env_steps"].squeeze(-1).tolist() == [0, 4]
+    env.close()
+
+
+def test_env_steps_key_can_be_renamed_or_turned_off():
+    renamed = TransformedEnv(make_base_env(), ChunkedAction(2, env_steps_key=("chunk", "steps")))
+    assert ("chunk", "steps") in renamed.observation_spec.keys(True)
+    assert renamed.rollout(2)["next", "chunk", "steps"].squeeze(-1).tolist() == [2, 2]
+    off = TransformedEnv(make_base_env(), ChunkedAction(2, env_steps_key=None))
+    assert "env_steps" not in off.observation_spec.keys(True)
+    assert "env_steps" not in off.rollout(2)["next"].keys()
+
+
+# ---------------------------------------------------------------------------- action bounds
+def half_cheetah_policy(chunk_shape: tuple[int, ...], executed_chunk_length: int | None):
+    """A flow policy for HalfCheetah-v5 whose actions often leave the box ``[-1, 1]``."""
+    from torchrl_flowpolicy import FlowSDEPolicy
+    from torchrl_flowpolicy.networks import MLPVelocityNetwork
+
+    torch.manual_seed(0)
+    network = MLPVelocityNetwork(17, chunk_shape, hidden_dim=16, num_layers=1)
+    action_shape = chunk_shape[-1:] if executed_chunk_length is None else chunk_shape
+    return FlowSDEPolicy(
+        network, action_shape=action_shape, num_steps=4, executed_chunk_length=executed_chunk_length
+    )
+
+
+@pytest.mark.parametrize("executed_chunk_length", [None, 3])
+def test_clamped_actions_are_executed_clamped_and_stored_as_sampled(executed_chunk_length):
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+    from torchrl_flowpolicy.envs import ClampAction
+
+    if executed_chunk_length is None:  # one action per step: the unwrapped env + ClampAction
+        policy = half_cheetah_policy((1, 6), None)
+        env = TransformedEnv(GymEnv("HalfCheetah-v5"), ClampAction())
+    else:
+        policy = half_cheetah_policy((4, 6), executed_chunk_length)
+        env = make_chunked_env(GymEnv("HalfCheetah-v5"), executed_chunk_length, clamp_actions=True)
+    env.set_seed(3)
+    torch.manual_seed(1)
+    with set_exploration_type(ExplorationType.RANDOM):
+        rollout = env.rollout(5, policy)
+    env.close()
+    # The stored action is the policy's unclamped output, so rescoring stays exact.
+    action = rollout["action"]
+    assert (action.abs() > 1).any() and (action.abs() < 1).any()
+    last = rollout["flow", "chain"][:, -1]
+    assert torch.equal(action, last if executed_chunk_length is None else last[:, :3])
+    torch.testing.assert_close(
+        policy.log_prob(rollout), rollout["flow", "step_log_prob"], rtol=0, atol=1e-5
+    )
+    # The environment executed the clamped actions: stepping an identically seeded copy row
+    # by row with the clamped actions gives the same rewards and observations, the raw
+    # actions do not (HalfCheetah charges its control cost on the action it is given).
+    rows = action.reshape(5, -1, 6)
+
+    def step_rows(actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        reference = GymEnv("HalfCheetah-v5")
+        reference.set_seed(3)
+        tensordict, rewards, observations = reference.reset(), [], []
+        for decision in actions:
+            reward = 0.0
+            for row in decision:
+                tensordict = reference.step(tensordict.set("action", row))
+                reward = reward + tensordict["next", "reward"]
+                observations.append(tensordict["next", "observation"])
+                tensordict = step_mdp(tensordict)
+            rewards.append(reward)
+        reference.close()
+        return torch.stack(rewards), torch.stack(observations).reshape(5, -1, 17)[:, -1]
+
+    clamped_reward, clamped_observation = step_rows(rows.clamp(-1, 1))
+    torch.testing.assert_close(rollout["next", "reward"], clamped_reward)
+    torch.testing.assert_close(rollout["next", "observation"], clamped_observation)
+    raw_reward, _ = step_rows(rows)
+    assert not torch.allclose(rollout["next", "reward"], raw_reward)
+
+
+def test_clamp_action_reads_per_dimension_bounds_and_refuses_unbounded_actions():
+    from torchrl.envs import ClipTransform
+
+    from torchrl_flowpolicy.envs import ClampAction
+
+    # TorchRL's ClipTransform takes scalar bounds only.
+    with pytest.raises(TypeError, match="scalars"):
+        ClipTransform(in_keys_inv=["action"], low=torch.zeros(2), high=torch.ones(2))
+    transform = ClampAction(low=torch.tensor([-1.0, 0.0]), high=torch.tensor([1.0, 0.5]))
+    action = torch.tensor([[-3.0, 3.0], [0.25, -0.25]])
+    clamped = transform.inv(TensorDict({"action": action}, [2]))
+    assert torch.equal(clamped["action"], torch.tensor([[-1.0, 0.5], [0.25, 0.0]]))
+    assert action[0, 0] == -3.0  # the input tensordict is left as it was
+    from torchrl.testing.mocking_classes import ContinuousActionVecMockEnv
+
+    env = TransformedEnv(ContinuousActionVecMockEnv(action_spec=Unbounded((7,))), ClampAction())
+    with pytest.raises(ValueError, match="bounded"):
+        env.rollout(1)

@@ -181,6 +181,24 @@ def test_stepping_with_a_noise_executes_the_decoded_ode_chunk():
     assert not torch.allclose(chunk, policy.decode(moved, noise))
 
 
+def test_a_single_step_policy_decodes_noise_for_an_unwrapped_env():
+    # action_shape=(D,): the noise and the executed action are [*B, D]; no chunked env needed.
+    torch.manual_seed(0)
+    network = MLPVelocityNetwork(OBSERVATION_DIM, (1, ACTION_DIM), hidden_dim=32, num_layers=2)
+    policy = FlowSDEPolicy(network, action_shape=(ACTION_DIM,), eval_num_steps=5)
+    env = TransformedEnv(
+        GymEnv("Pusher-v5", max_episode_steps=EPISODE_LENGTH), NoiseActionTransform(policy)
+    )
+    check_env_specs(env)
+    assert env.action_spec.shape == (ACTION_DIM,)
+    env.set_seed(0)
+    td = env.reset()
+    noise = env.action_spec.rand()
+    td = env.step(td.set("action", noise))
+    assert td[NEXT_DECODED].shape == (ACTION_DIM,)
+    torch.testing.assert_close(td[NEXT_DECODED], policy.decode(td, noise))
+
+
 def test_the_decoded_chunk_is_the_policys_ode_integrated_by_hand():
     # Independent of decode(): Euler steps x <- x + (sigma_{k+1} - sigma_k) v(x, sigma_k).
     policy = make_policy()

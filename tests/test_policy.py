@@ -115,7 +115,9 @@ def test_zero_noise_sampler_is_exactly_the_euler_ode(mode, shift):
 
 def test_deterministic_mode_is_exactly_the_euler_ode():
     network = make_network()
-    policy = FlowSDEPolicy(network, action_shape=ACTION_SHAPE, eval_num_steps=20, shift=2.0)
+    policy = FlowSDEPolicy(
+        network, action_shape=ACTION_SHAPE, eval_num_steps=20, shift=2.0, eval_noise_scale=1.0
+    )
     tensordict = make_tensordict((5,))
     with torch.no_grad():
         out = sample(policy, tensordict, seed=4, mode=ExplorationType.DETERMINISTIC)
@@ -174,7 +176,7 @@ def test_rollout_noise_scale_scales_x0_and_the_log_prob_stays_exact(scale):
     torch.testing.assert_close(policy.log_prob(out), out[STEP_LOG_PROB_KEY], rtol=0, atol=1e-5)
     torch.testing.assert_close(reference.log_prob(out), out[STEP_LOG_PROB_KEY], rtol=0, atol=1e-5)
     assert torch.all(out[LOG_PROB_KEY] != 0)
-    # Evaluation is untouched: the deterministic ODE still starts from N(0, I).
+    # Evaluation is untouched: the deterministic ODE still starts from eval_noise_scale * x_0.
     deterministic = ExplorationType.DETERMINISTIC
     torch.testing.assert_close(
         sample(policy, tensordict, seed=4, mode=deterministic)["action"],
@@ -339,17 +341,23 @@ def test_exploration_type_switches_between_sde_and_ode(counting, mode):
         assert network.calls == 20
         assert set(deterministic.keys(True, True)) == {"observation", "action"}
         network.calls = 0
-        policy(tensordict.clone())  # outside any context: default_interaction_type (ODE)
-        assert network.calls == 20
+        policy(tensordict.clone())  # outside any context: default_interaction_type (RANDOM)
+        assert network.calls == 8
 
 
-def test_default_interaction_type_random():
+def test_default_interaction_type():
+    # RANDOM by default, as TorchRL's PPO actors: outside a context it samples the chain.
+    with torch.no_grad():
+        out = FlowSDEPolicy(make_network(), action_shape=ACTION_SHAPE)(make_tensordict((2,)))
+    assert set(out.keys(True, True)) == SAMPLING_KEYS | {"observation"}
     policy = FlowSDEPolicy(
-        make_network(), action_shape=ACTION_SHAPE, default_interaction_type=RANDOM
+        make_network(),
+        action_shape=ACTION_SHAPE,
+        default_interaction_type=ExplorationType.DETERMINISTIC,
     )
     with torch.no_grad():
         out = policy(make_tensordict((2,)))
-    assert CHAIN_KEY in out.keys(True)
+    assert set(out.keys(True, True)) == {"observation", "action"}
 
 
 @pytest.mark.parametrize("batch_shape", [(), (3,), (2, 3)])
@@ -456,15 +464,16 @@ class _TimeForwardGaussianVelocity(nn.Module):
 def test_time_reversed_adapter_matches_native_network(gaussian_velocity):
     forward_time = _TimeForwardGaussianVelocity(gaussian_velocity.mean, gaussian_velocity.std)
     tensordict = TensorDict({"observation": torch.zeros(64, 1)}, batch_size=[64])
-    native = FlowSDEPolicy(gaussian_velocity, action_shape=(2, 2), shift=2.0)
-    adapted = FlowSDEPolicy(TimeReversedVelocity(forward_time), action_shape=(2, 2), shift=2.0)
+    options = {"action_shape": (2, 2), "shift": 2.0, "eval_noise_scale": 1.0}
+    native = FlowSDEPolicy(gaussian_velocity, **options)
+    adapted = FlowSDEPolicy(TimeReversedVelocity(forward_time), **options)
     deterministic = ExplorationType.DETERMINISTIC
     with torch.no_grad():
         expected = sample(native, tensordict, seed=7, mode=deterministic)["action"]
         actual = sample(adapted, tensordict, seed=7, mode=deterministic)["action"]
         torch.testing.assert_close(actual, expected)
         # The adapter is not the identity: the raw network gives another chunk.
-        raw = FlowSDEPolicy(forward_time, action_shape=(2, 2), shift=2.0)
+        raw = FlowSDEPolicy(forward_time, **options)
         assert not torch.allclose(
             sample(raw, tensordict, seed=7, mode=deterministic)["action"], expected, atol=0.1
         )
@@ -493,7 +502,7 @@ def test_sde_sampler_preserves_gaussian_marginals(
 
 
 def test_ode_sampler_preserves_gaussian_marginals(gaussian_velocity, check_gaussian_moments):
-    policy = _gaussian_policy(gaussian_velocity, eval_num_steps=100)
+    policy = _gaussian_policy(gaussian_velocity, eval_num_steps=100, eval_noise_scale=1.0)
     with torch.no_grad():
         action = sample(policy, _DUMMY, seed=12, mode=ExplorationType.DETERMINISTIC)["action"]
     check_gaussian_moments(action, gaussian_velocity.mean, gaussian_velocity.std, 100)
@@ -651,3 +660,112 @@ def test_set_keys_renames_every_output_and_the_spec():
     assert policy.tensor_keys.chain == CHAIN_KEY
     with pytest.raises(ValueError, match="'trajectory' is not a key"):
         policy.set_keys(trajectory="x")
+
+
+# --------------------------------------------------------------------------- TorchRL scripts
+def _record_input_shapes(network: nn.Module) -> list[torch.Size]:
+    shapes: list[torch.Size] = []
+    network.register_forward_pre_hook(lambda module, args: shapes.append(args[0].shape))
+    return shapes
+
+
+def test_single_step_policy_steps_an_unwrapped_gym_env():
+    # action_shape=(D,): "action" is [*B, D], what an unwrapped GymEnv steps; the chain is
+    # [*B, K+1, D] and the velocity network sees x [N, 1, D] (H = 1).
+    from torchrl.envs import GymEnv
+
+    env = GymEnv("HalfCheetah-v5")
+    action_dim = env.action_spec.shape[-1]
+    observation_dim = env.observation_spec["observation"].shape[-1]
+    torch.manual_seed(0)
+    network = MLPVelocityNetwork(observation_dim, (1, action_dim), hidden_dim=32, num_layers=2)
+    shapes = _record_input_shapes(network)
+    policy = FlowSDEPolicy(network, action_shape=(action_dim,), num_steps=4, sde_mode="all")
+    assert policy.action_shape == (action_dim,)
+    assert policy.chunk_shape == (1, action_dim)
+    env.set_seed(0)
+    torch.manual_seed(1)
+    with set_exploration_type(RANDOM):
+        rollout = env.rollout(6, policy)
+    assert rollout.batch_size == (6,)
+    assert {shape[1:] for shape in shapes} == {(1, action_dim)}
+    assert rollout["action"].shape == (6, action_dim)
+    assert rollout[CHAIN_KEY].shape == (6, 5, action_dim)
+    assert torch.equal(rollout["action"], rollout[CHAIN_KEY][:, -1])
+    assert (rollout[STEP_LOG_PROB_KEY][:, 1:] != 0).all()
+    # Rescoring the stored chain gives the stored log-probs.
+    torch.testing.assert_close(
+        policy.log_prob(rollout), rollout[STEP_LOG_PROB_KEY], rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(rollout[LOG_PROB_KEY], rollout[STEP_LOG_PROB_KEY].sum(-1))
+    for key, leaf in policy.spec.expand(6).items(True, True):
+        assert rollout[key].shape == leaf.shape, key
+        assert rollout[key].dtype == leaf.dtype, key
+    with set_exploration_type(ExplorationType.DETERMINISTIC):
+        evaluation = env.rollout(3, policy)
+    env.close()
+    assert evaluation["action"].shape == (3, action_dim)
+    observation = TensorDict({"observation": torch.randn(2, observation_dim)}, [2])
+    assert policy.decode(observation, torch.zeros(2, action_dim)).shape == (2, action_dim)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"action_shape": ()}, "action_shape"),
+        ({"action_shape": (2,), "executed_chunk_length": 2}, "executed_chunk_length"),
+    ],
+)
+def test_single_step_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FlowSDEPolicy(make_network(), **kwargs)
+
+
+def test_collector_with_a_compiled_policy_keeps_the_chain():
+    # Collector(compile_policy=...) wraps the policy in a function that hides its spec and
+    # probes it outside any exploration context: the probe must write the chain.
+    from torchrl.collectors import Collector
+    from torchrl.envs import DoubleToFloat, GymEnv, TransformedEnv
+
+    from torchrl_flowpolicy.envs import make_chunked_env
+
+    torch.manual_seed(0)
+    network = MLPVelocityNetwork(23, (3, 7), hidden_dim=32, num_layers=2)
+    policy = FlowSDEPolicy(network, action_shape=(3, 7), executed_chunk_length=2, num_steps=4)
+    env = make_chunked_env(TransformedEnv(GymEnv("Pusher-v5"), DoubleToFloat()), 2)
+    env.set_seed(0)
+    collector = Collector(
+        env, policy, frames_per_batch=4, total_frames=8, compile_policy={"backend": "eager"}
+    )
+    try:
+        assert not hasattr(collector._wrapped_policy, "spec")  # the wrapper hides it
+        batches = list(collector)
+    finally:
+        collector.shutdown()
+    assert len(batches) == 2
+    for batch in batches:
+        assert batch[CHAIN_KEY].shape == (4, 5, 3, 7)
+        assert torch.equal(batch["action"], batch[CHAIN_KEY][:, -1, :2])
+        torch.testing.assert_close(
+            policy.log_prob(batch), batch[STEP_LOG_PROB_KEY], rtol=0, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize(
+    "mode", [ExplorationType.DETERMINISTIC, ExplorationType.MODE, ExplorationType.MEAN]
+)
+def test_deterministic_evaluation_repeats_by_default(mode):
+    policy = FlowSDEPolicy(make_network(), action_shape=ACTION_SHAPE, eval_num_steps=6)
+    tensordict = make_tensordict((3,))
+    with set_exploration_type(mode), torch.no_grad():
+        first, second = policy(tensordict.clone())["action"], policy(tensordict.clone())["action"]
+    assert torch.equal(first, second)
+    # The noise-free chunk: the ODE from x_0 = 0.
+    assert torch.equal(first, policy.decode(tensordict, torch.zeros(3, *ACTION_SHAPE)))
+    # eval_noise_scale=1 samples the model's distribution: another chunk at every call.
+    sampled = FlowSDEPolicy(
+        policy.velocity_network, action_shape=ACTION_SHAPE, eval_num_steps=6, eval_noise_scale=1.0
+    )
+    with set_exploration_type(mode), torch.no_grad():
+        first, second = sampled(tensordict.clone())["action"], sampled(tensordict.clone())["action"]
+    assert not torch.allclose(first, second)

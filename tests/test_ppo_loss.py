@@ -27,6 +27,7 @@ from torchrl_flowpolicy.networks import (
     ObservationEncoder,
 )
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
+from torchrl_flowpolicy.objectives.flow_matching import flow_matching_per_sample
 
 OBSERVATION_DIM = 5
 ACTION_SHAPE = (4, 2)
@@ -822,3 +823,66 @@ def test_the_loss_reads_the_keys_the_policy_writes():
     out = loss(data)
     assert out["log_prob_drift"] <= 1e-8
     torch.testing.assert_close(out["loss_objective"], -data["advantage"].mean())
+
+
+# ---------------------------------------------------------------------------- TorchRL scripts
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_loss_entropy_is_always_written(reduction):
+    # TorchRL's PPO scripts read loss["loss_entropy"]: without the bonus it is a zero of the
+    # objective's dtype, device and shape.
+    policy = make_policy()
+    data = collect(policy, (2, 3))
+    data["advantage"] = non_uniform_advantage((2, 3))
+    loss = DenoisingClipPPOLoss(policy, reduction=reduction)
+    assert "loss_entropy" in loss.out_keys
+    out = loss(data)
+    assert set(out.keys()) == set(loss.out_keys)
+    objective, entropy = out["loss_objective"], out["loss_entropy"]
+    assert torch.equal(entropy, torch.zeros_like(objective))
+    assert (entropy.dtype, entropy.device) == (objective.dtype, objective.device)
+    (objective + entropy).sum().backward()
+    assert all(p.grad is not None for p in network_parameters(policy))
+    with_bonus = DenoisingClipPPOLoss(policy, reduction=reduction, entropy_bonus=True)
+    assert "loss_entropy" in with_bonus.out_keys
+    bonus = with_bonus(data)["loss_entropy"]
+    assert bonus.shape == objective.shape and (bonus != 0).any()
+
+
+def test_single_step_policy_loss():
+    # A per-step policy (action_shape=(D,)): the chain is [*B, K+1, D], the loss the same.
+    torch.manual_seed(0)
+    network = MLPVelocityNetwork(OBSERVATION_DIM, (1, 3), hidden_dim=32, num_layers=2)
+    policy = FlowSDEPolicy(network.double(), action_shape=(3,), num_steps=4, sde_mode="all")
+    data = collect(policy, (2, 5))
+    assert data["action"].shape == (2, 5, 3) and data[CHAIN].shape == (2, 5, 5, 3)
+    data["advantage"] = non_uniform_advantage((2, 5))
+    loss = DenoisingClipPPOLoss(policy, kl_coeff=0.1)
+    out = loss(data)
+    assert out["log_prob_drift"] <= 1e-8
+    assert out["num_stochastic_steps"] == 2 * 5 * 3
+    torch.testing.assert_close(out["loss_objective"], -data["advantage"].mean())
+    (out["loss_objective"] + out["loss_kl"]).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in network_parameters(policy))
+
+
+def test_self_imitation_of_a_single_step_policy_equals_that_of_a_one_row_chunk():
+    # The same network as a single-step policy (action [*B, D]) and as a chunk policy of one
+    # row (action [*B, 1, D]): the self-imitation error is the same at the same seed.
+    torch.manual_seed(0)
+    network = MLPVelocityNetwork(OBSERVATION_DIM, (1, 3), hidden_dim=32, num_layers=2).double()
+    single = FlowSDEPolicy(network, action_shape=(3,), num_steps=4, sde_mode="all")
+    chunk = FlowSDEPolicy(network, action_shape=(1, 3), num_steps=4, sde_mode="all")
+    data = collect(single, (6,))
+    data["advantage"] = non_uniform_advantage((6,))
+    data["success"] = torch.tensor([True, False, True, True, False, False])
+    chunk_data = data.clone()
+    chunk_data["action"] = data["action"].unsqueeze(-2)
+    chunk_data[CHAIN] = data[CHAIN].unsqueeze(-2)
+    losses = []
+    for policy, batch in ((single, data), (chunk, chunk_data)):
+        torch.manual_seed(11)
+        losses.append(DenoisingClipPPOLoss(policy, bc_coeff=0.5)(batch)["loss_bc"])
+    assert losses[0] > 0
+    torch.testing.assert_close(losses[0], losses[1], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="single-step action shape"):
+        flow_matching_per_sample(single, data, data["action"].unsqueeze(-2))

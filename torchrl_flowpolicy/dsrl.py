@@ -155,7 +155,10 @@ class NoiseActionTransform(Transform):
         return self
 
     # ------------------------------------------------------------------ specs
-    def _chunk_shape(self) -> tuple[int, int]:
+    def _chunk_shape(self) -> tuple[int, ...]:
+        """The executed action's shape: ``(H', D)``, or ``(D,)`` for a single-step policy."""
+        if self.policy.single_step:
+            return tuple(self.policy.action_shape)
         return self.policy.executed_chunk_length, self.policy.action_shape[1]
 
     def transform_input_spec(self, input_spec: Composite) -> Composite:

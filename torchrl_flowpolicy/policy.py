@@ -34,7 +34,8 @@ _SCHEDULE_PARAMETERS = ("num_steps", "eval_num_steps", "noise_level", "shift", "
 class FlowSDEPolicy(TensorDictModuleBase):
     """A velocity network as a TorchRL policy sampling chunks with the Flow-SDE sampler.
 
-    Under RANDOM exploration (collectors) it integrates ``num_steps`` steps from
+    Under RANDOM exploration (collectors, and any call outside an exploration context, see
+    ``default_interaction_type``) it integrates ``num_steps`` steps from
     ``x_0 = rollout_noise_scale * N(0, I)``, the steps chosen by ``sde_mode`` being
     stochastic Flow-SDE steps, and writes (``[*B]`` the batch shape; keys renamed with
     :meth:`set_keys`):
@@ -47,11 +48,18 @@ class FlowSDEPolicy(TensorDictModuleBase):
     | ``("flow", "step_log_prob")`` (``step_log_prob``) | ``[*B, K]`` | per-step log-prob, 0 where ODE |
     | ``"action_log_prob"`` (``log_prob``) | ``[*B]`` | sum over the steps |
 
-    ``H = chunk_length`` rows are predicted, ``H' = executed_chunk_length`` executed. Under
-    DETERMINISTIC / MODE / MEAN exploration it runs the plain ODE with ``eval_num_steps`` from
-    ``x_0 = eval_noise_scale * N(0, I)`` and writes the action only. Outside any exploration
-    context it follows ``default_interaction_type`` (as TorchRL's ``ProbabilisticActor``).
-    The context (encoder output, or the observation) is computed once per decision.
+    ``H = chunk_length`` rows are predicted, ``H' = executed_chunk_length`` executed. A
+    single-step policy (``action_shape=(D,)``, one action per environment step, for an
+    unwrapped TorchRL environment) writes ``"action"`` ``[*B, D]`` and the chain
+    ``[*B, K+1, D]``: the chain is always ``[*B, K+1, *action_shape]``; its velocity network
+    sees chunks of one row, ``x [N, 1, D]`` (:attr:`chunk_shape`).
+
+    Under DETERMINISTIC / MODE / MEAN exploration (evaluation) it runs the plain ODE with
+    ``eval_num_steps`` from ``x_0 = eval_noise_scale * N(0, I)`` and writes the action only.
+    With the default ``eval_noise_scale = 0`` that is the noise-free chunk (``x_0 = 0``): the
+    same observation gives the same action at every call. ``eval_noise_scale = 1`` samples
+    the model's distribution with the ODE instead (a fresh ``x_0`` at every call). The context
+    (encoder output, or the observation) is computed once per decision.
 
     Implements the mixed ODE/SDE sampler of pi-RL (Chen et al., 2025, "Flow-SDE") with the
     noise schedule of Flow-GRPO (Liu et al., 2025); the per-step log-probability is that of
@@ -59,16 +67,19 @@ class FlowSDEPolicy(TensorDictModuleBase):
 
     Args:
         velocity_network: ``velocity_network(x, sigma, context) -> v`` with ``x [N, H, D]``,
-            ``sigma [N]`` and the context of those ``N`` decisions; returns ``[N, H, D]``.
+            ``sigma [N]`` and the context of those ``N`` decisions; returns ``[N, H, D]``
+            (``H = 1`` for a single-step policy).
 
     Keyword Args:
-        action_shape: ``(H, D)``, the chunk shape.
+        action_shape: ``(H, D)``, the chunk shape; or ``(D,)``, a single-step policy (one
+            action per environment step, ``H = H' = 1``).
         in_keys: observation keys read from the tensordict.
         encoder: optional ``encoder(*observations) -> context``, run once per decision.
         num_steps: ``K`` for rollouts and ``log_prob``.
         eval_num_steps: ``K`` for the deterministic ODE.
         eval_noise_scale: the standard deviation of the deterministic ODE's initial noise
-            (>= 0; 1 samples the model's distribution, 0 decodes ``x_0 = 0``).
+            (>= 0). 0 (default): the noise-free chunk ``x_0 = 0``, repeatable; 1: the ODE
+            from ``x_0 ~ N(0, I)``, a sample of the model's distribution.
         rollout_noise_scale: the standard deviation of the rollouts' (RANDOM) initial noise
             ``x_0`` (>= 0; default 1, the model's distribution). With 0 every chain starts at
             ``x_0 = 0``: the exploration then comes from the stochastic steps alone, all of it
@@ -85,7 +96,11 @@ class FlowSDEPolicy(TensorDictModuleBase):
         executed_chunk_length: ``H'``, the number of leading chunk rows the environment
             executes (pi-RL predicts 10 and executes 5); the log-probability covers those rows
             only. ``None``: all ``H`` rows.
-        default_interaction_type: the mode used outside any exploration context.
+        default_interaction_type: the mode used outside any exploration context. RANDOM
+            (default), as the actor of TorchRL's PPO scripts: a collector that probes the
+            policy outside a context (``compile_policy`` / ``cudagraph_policy`` hide
+            :attr:`spec`) then sees the chain and the log-probs. Evaluate under
+            ``set_exploration_type(ExplorationType.DETERMINISTIC)``.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -99,6 +114,13 @@ class FlowSDEPolicy(TensorDictModuleBase):
         >>> td["flow", "chain"].shape, td["action_log_prob"].shape
         (torch.Size([3, 9, 4, 2]), torch.Size([3]))
         >>> torch.testing.assert_close(policy.log_prob(td), td["flow", "step_log_prob"])
+
+        A single-step policy steps an unwrapped environment:
+
+        >>> step_policy = FlowSDEPolicy(MLPVelocityNetwork(5, (1, 2)), action_shape=(2,))
+        >>> td = step_policy(TensorDict({"observation": torch.randn(3, 5)}, batch_size=[3]))
+        >>> td["action"].shape, td["flow", "chain"].shape
+        (torch.Size([3, 2]), torch.Size([3, 9, 2]))
     """
 
     @dataclass
@@ -122,7 +144,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         encoder: nn.Module | Callable[..., Context] | None = None,
         num_steps: int = 8,
         eval_num_steps: int = 20,
-        eval_noise_scale: float = 1.0,
+        eval_noise_scale: float = 0.0,
         rollout_noise_scale: float = 1.0,
         noise_level: float = 0.5,
         sde_mode: SDEMode = "mixed",
@@ -130,17 +152,23 @@ class FlowSDEPolicy(TensorDictModuleBase):
         shift: float = 1.0,
         noise_schedule: NoiseSchedule = "sqrt",
         executed_chunk_length: int | None = None,
-        default_interaction_type: ExplorationType = ExplorationType.DETERMINISTIC,
+        default_interaction_type: ExplorationType = ExplorationType.RANDOM,
     ):
         super().__init__()
-        if len(action_shape) != 2:
+        if len(action_shape) not in (1, 2) or not all(int(size) >= 1 for size in action_shape):
             raise ValueError(
-                f"action_shape must be (chunk_length H, action_dim D), got {tuple(action_shape)}."
+                f"action_shape must be (chunk_length H, action_dim D), or (action_dim D,) for a "
+                f"single-step policy, with positive sizes; got {tuple(action_shape)}."
             )
         self.action_shape = torch.Size(action_shape)
-        chunk_length = self.action_shape[0]
+        chunk_length = self.chunk_shape[0]
         if executed_chunk_length is None:
             executed_chunk_length = chunk_length
+        if self.single_step and executed_chunk_length != 1:
+            raise ValueError(
+                f"a single-step policy (action_shape={tuple(action_shape)}) executes one action "
+                f"per step: executed_chunk_length must be None or 1, got {executed_chunk_length}."
+            )
         if not 1 <= executed_chunk_length <= chunk_length:
             raise ValueError(
                 f"executed_chunk_length must be in 1..{chunk_length} (the chunk length), "
@@ -181,7 +209,30 @@ class FlowSDEPolicy(TensorDictModuleBase):
             self.__dict__["_schedules"] = {}
         super().__setattr__(name, value)
 
-    # ------------------------------------------------------------------ keys and specs
+    # ------------------------------------------------------------------ shapes, keys, specs
+    @property
+    def single_step(self) -> bool:
+        """Whether the policy acts one step at a time (``action_shape = (D,)``)."""
+        return len(self.action_shape) == 1
+
+    @property
+    def chunk_shape(self) -> torch.Size:
+        """``(H, D)``, the shape of one decision's ``x_k`` for the velocity network.
+
+        ``action_shape`` itself for a chunk policy, ``(1, D)`` for a single-step policy.
+        """
+        return torch.Size((1, *self.action_shape)) if self.single_step else self.action_shape
+
+    def _action(self, chunk: Tensor) -> Tensor:
+        """The executed rows ``[N, H', D]`` of chunks ``[N, H, D]`` (``[N, D]`` single-step)."""
+        if self.single_step:
+            return chunk[:, 0]
+        return chunk[:, : self.executed_chunk_length]
+
+    def _stored_chain(self, chain: Tensor) -> Tensor:
+        """The chain as stored, ``[N, K+1, *action_shape]``, from ``[N, K+1, H, D]``."""
+        return chain[:, :, 0] if self.single_step else chain
+
     def set_keys(self, **kwargs: NestedKey) -> None:
         """Rename the entries the policy writes (see :class:`FlowSDEPolicy._AcceptedKeys`).
 
@@ -227,20 +278,23 @@ class FlowSDEPolicy(TensorDictModuleBase):
     def spec(self) -> Composite:
         """The entries written under RANDOM exploration, for one decision.
 
-        Collectors read it to pre-allocate their buffers; without it they would probe the
-        policy outside any exploration context and drop the chain from every batch.
+        Collectors read it to pre-allocate their buffers. Where a wrapper hides it
+        (``compile_policy`` / ``cudagraph_policy``) they probe the policy outside any
+        exploration context instead, which writes the same entries with the default
+        ``default_interaction_type`` (RANDOM).
         """
         dtype = flow.probability_dtype(self.network_dtype)
         parameter = next(iter(getattr(self.velocity_network, "parameters", list)()), None)
         device = None if parameter is None else parameter.device
-        chunk_length, action_dim = self.action_shape
+        action_dim = self.action_shape[-1]
+        executed_shape = (
+            (action_dim,) if self.single_step else (self.executed_chunk_length, action_dim)
+        )
         keys, num_steps = self.tensor_keys, self.num_steps
         spec = Composite(device=device)
-        spec[keys.action] = Unbounded(
-            (self.executed_chunk_length, action_dim), dtype=dtype, device=device
-        )
+        spec[keys.action] = Unbounded(executed_shape, dtype=dtype, device=device)
         spec[keys.chain] = Unbounded(
-            (num_steps + 1, chunk_length, action_dim), dtype=dtype, device=device
+            (num_steps + 1, *self.action_shape), dtype=dtype, device=device
         )
         spec[keys.sde_mask] = Binary(num_steps, dtype=torch.bool, device=device)
         spec[keys.step_log_prob] = Unbounded((num_steps,), dtype=dtype, device=device)
@@ -298,7 +352,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         dtype = flow.probability_dtype(self.network_dtype)
         num_steps, executed = self.num_steps, self.executed_chunk_length
         noise = torch.randn(
-            (num_decisions, num_steps + 1, *self.action_shape), dtype=dtype, device=device
+            (num_decisions, num_steps + 1, *self.chunk_shape), dtype=dtype, device=device
         )
         sde_mask = flow.sample_sde_mask(
             (num_decisions,), num_steps, self.sde_mode, self.num_sde_steps, device=device
@@ -315,8 +369,8 @@ class FlowSDEPolicy(TensorDictModuleBase):
         step_log_prob = flow.chain_log_prob(chain, means, sde_mask, schedule.std, executed)
         keys = self.tensor_keys
         return {
-            keys.action: chain[:, -1, :executed],
-            keys.chain: chain,
+            keys.action: self._action(chain[:, -1]),
+            keys.chain: self._stored_chain(chain),
             keys.sde_mask: sde_mask,
             keys.step_log_prob: step_log_prob,
             keys.log_prob: step_log_prob.sum(-1),
@@ -342,7 +396,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
     def _ode(self, context: Context, initial_noise: Tensor) -> Tensor:
         """The executed rows of the deterministic ODE chunk from ``x_0 = initial_noise``."""
         chain, _, _ = self._integrate(context, initial_noise, self.eval_num_steps)
-        return chain[:, -1, : self.executed_chunk_length]
+        return self._action(chain[:, -1])
 
     @torch.no_grad()
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -359,7 +413,8 @@ class FlowSDEPolicy(TensorDictModuleBase):
             entries = self._sample(context, num_decisions, device)
         else:
             dtype = flow.probability_dtype(self.network_dtype)
-            noise = torch.randn((num_decisions, *self.action_shape), dtype=dtype, device=device)
+            # Drawn whatever the scale, so that the random stream does not depend on it.
+            noise = torch.randn((num_decisions, *self.chunk_shape), dtype=dtype, device=device)
             if self.eval_noise_scale != 1.0:
                 noise = noise * self.eval_noise_scale
             entries = {self.tensor_keys.action: self._ode(context, noise)}
@@ -370,28 +425,33 @@ class FlowSDEPolicy(TensorDictModuleBase):
     @torch.no_grad()
     def decode(self, tensordict: TensorDictBase, initial_noise: Tensor) -> Tensor:
         """The executed rows ``[*B, H', D]`` of the ODE chunk (``eval_num_steps``) from
-        ``x_0 = initial_noise [*B, H, D]``, for the observations of ``tensordict`` (DSRL)."""
+        ``x_0 = initial_noise [*B, H, D]``, for the observations of ``tensordict`` (DSRL).
+
+        A single-step policy takes ``initial_noise [*B, D]`` and returns ``[*B, D]``.
+        """
         batch_shape = tensordict.batch_size
         expected = (*batch_shape, *self.action_shape)
         if tuple(initial_noise.shape) != expected:
             raise ValueError(
                 f"initial_noise has shape {tuple(initial_noise.shape)}, expected {expected} "
-                f"(batch shape followed by action_shape (H, D))."
+                f"(batch shape followed by action_shape {tuple(self.action_shape)})."
             )
-        noise = initial_noise.reshape(-1, *self.action_shape)
+        noise = initial_noise.reshape(-1, *self.chunk_shape)
         action = self._ode(
             self.context(tensordict), noise.to(flow.probability_dtype(self.network_dtype))
         )
         return action.reshape((*batch_shape, *action.shape[1:]))
 
     # ------------------------------------------------------------------ learner
-    def _stored(self, tensordict: TensorDictBase, key: NestedKey, trailing: tuple) -> Tensor:
+    def _stored(
+        self, tensordict: TensorDictBase, key: NestedKey, trailing: tuple, *, chain: bool = False
+    ) -> Tensor:
         value = self._flat(tensordict, key, "written by FlowSDEPolicy under RANDOM exploration")
         if tuple(value.shape[1:]) != trailing:
             hint = ""
-            if len(trailing) == 3 and value.ndim == 4 and value.shape[-3] != trailing[0]:
+            if chain and value.ndim == len(trailing) + 1 and value.shape[1] != trailing[0]:
                 hint = (
-                    f" The stored chain has K={value.shape[-3] - 1} steps but the policy has "
+                    f" The stored chain has K={value.shape[1] - 1} steps but the policy has "
                     f"num_steps={self.num_steps}: score it with a policy of the same num_steps."
                 )
             raise ValueError(
@@ -412,13 +472,17 @@ class FlowSDEPolicy(TensorDictModuleBase):
         """The Gaussian transitions of the stored stochastic steps (:func:`flow.stochastic_steps`).
 
         One batched network call over all stochastic entries, gradient enabled (through the
-        means). ``context_grad`` lets it reach the encoder; ``chain_key`` / ``sde_mask_key``
+        means); ``mean`` and ``sample`` are ``[M, H', D]`` (``[M, 1, D]`` for a single-step
+        policy). ``context_grad`` lets it reach the encoder; ``chain_key`` / ``sde_mask_key``
         default to ``tensor_keys``.
         """
         num_steps = self.num_steps
         chain = self._stored(
-            tensordict, chain_key or self.tensor_keys.chain, (num_steps + 1, *self.action_shape)
-        )
+            tensordict,
+            chain_key or self.tensor_keys.chain,
+            (num_steps + 1, *self.action_shape),
+            chain=True,
+        ).reshape(-1, num_steps + 1, *self.chunk_shape)
         sde_mask = self._stored(tensordict, sde_mask_key or self.tensor_keys.sde_mask, (num_steps,))
         context = self.context(tensordict, grad=context_grad)
         network_dtype = self.network_dtype

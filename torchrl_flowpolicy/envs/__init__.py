@@ -9,8 +9,8 @@ examples run (``"pusher"``, robosuite's ``"lift"`` and ``"can"``), whose robosui
 are imported only when used.
 
 Every name below is imported on first use, from its module: :func:`make_chunked_env`,
-:class:`ChunkedAction` and :func:`decision_discount` need TorchRL only, the rest needs the
-simulators (``pip install "torchrl_flowpolicy[envs]"``).
+:class:`ChunkedAction`, :class:`ClampAction` and :func:`decision_discount` need TorchRL only,
+the rest needs the simulators (``pip install "torchrl_flowpolicy[envs]"``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torchrl_flowpolicy.envs.batched import BatchedGymEnv
-    from torchrl_flowpolicy.envs.chunking import ChunkedAction, decision_discount, make_chunked_env
+    from torchrl_flowpolicy.envs.chunking import (
+        ChunkedAction,
+        ClampAction,
+        decision_discount,
+        make_chunked_env,
+    )
     from torchrl_flowpolicy.envs.demonstrations import collect_demos, load_or_collect_demos
     from torchrl_flowpolicy.envs.pusher import (
         PusherTask,
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
 _SOURCES = {
     "BatchedGymEnv": "batched",
     "ChunkedAction": "chunking",
+    "ClampAction": "chunking",
     "decision_discount": "chunking",
     "make_chunked_env": "chunking",
     "collect_demos": "demonstrations",
@@ -78,6 +84,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "BatchedGymEnv",
     "ChunkedAction",
+    "ClampAction",
     "make_chunked_env",
     "decision_discount",
     "PusherExpert",

@@ -12,6 +12,15 @@ The decision's ``done`` / ``terminated`` / ``truncated`` and next observation ar
 the last executed step, so a rollout with ``break_when_any_done=False`` (or a collector)
 resets a sub-environment after the decision in which it finished, like any other step.
 
+Frame accounting: a collector's frames count decisions. Each decision writes the number of
+environment steps it executed, ``("next", "env_steps")`` (``[*B, 1]`` int64, ``0..H'``; 0 at
+reset and for a sub-environment that a partial step skipped), so
+``batch["next", "env_steps"].sum()`` is a batch's environment-step count.
+
+Action bounds: :class:`ClampAction` (``make_chunked_env(..., clamp_actions=True)``) clamps
+the executed actions to the bounds of the environment's action spec, per dimension, on the
+environment's side: the tensordict a collector stores keeps the policy's unclamped action.
+
 Per-decision discount: a decision spans up to ``H'`` environment steps, and its reward is the
 undiscounted sum of those steps' rewards. A value estimator running at the decision level
 (GAE on the collected decisions) should use ``gamma_decision = gamma_step ** H'`` to keep the
@@ -27,10 +36,13 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import Tensor
 from torchrl.data import Bounded, Composite, TensorSpec
-from torchrl.envs import EnvBase, TransformedEnv
-from torchrl.envs.transforms import MultiAction
+from torchrl.envs import Compose, EnvBase, TransformedEnv
+from torchrl.envs.transforms import MultiAction, Transform
 
-__all__ = ["ChunkedAction", "make_chunked_env", "decision_discount"]
+__all__ = ["ChunkedAction", "ClampAction", "make_chunked_env", "decision_discount"]
+
+#: Where :class:`ChunkedAction` writes the environment steps each decision executed.
+ENV_STEPS_KEY = "env_steps"
 
 
 class ChunkedAction(MultiAction):
@@ -53,12 +65,19 @@ class ChunkedAction(MultiAction):
     stale reward of a sub-environment skipped after its done, which would count it again);
     observations are never stacked.
 
+    Frame accounting: every decision writes ``("next", env_steps_key)``, ``[*B, 1]`` int64,
+    the number of environment steps it executed (``H'``, fewer when the chunk stopped at a
+    done, 0 for a sub-environment skipped by a partial step); the entry is an observation
+    (0 at reset), so a collector stores it with the decision.
+
     Args:
         executed_chunk_length: ``H'``, the number of rows executed per decision.
 
     Keyword Args:
         action_key: the base environment's action key (default: its only action key). The
             chunk is read from the same key.
+        env_steps_key: where the executed environment steps are written (default
+            ``"env_steps"``; ``None``: not written).
 
     Raises:
         ValueError: ``executed_chunk_length < 1``; at step time, a chunk whose shape is not
@@ -71,19 +90,29 @@ class ChunkedAction(MultiAction):
         >>> env = TransformedEnv(GymEnv("Pusher-v5"), ChunkedAction(4))
         >>> env.action_spec.shape, env.reward_spec.shape
         (torch.Size([4, 7]), torch.Size([1]))
+        >>> env.rollout(3)["next", "env_steps"].squeeze(-1).tolist()
+        [4, 4, 4]
     """
 
-    def __init__(self, executed_chunk_length: int, *, action_key: NestedKey | None = None):
+    def __init__(
+        self,
+        executed_chunk_length: int,
+        *,
+        action_key: NestedKey | None = None,
+        env_steps_key: NestedKey | None = ENV_STEPS_KEY,
+    ):
         if executed_chunk_length < 1:
             raise ValueError(f"executed_chunk_length must be >= 1, got {executed_chunk_length}.")
         super().__init__(
             dim=1, stack_rewards=False, stack_observations=False, action_key=action_key
         )
         self.executed_chunk_length = executed_chunk_length
+        self.env_steps_key = env_steps_key
         # Filled by ``_inv_call`` (the rows before the last one) and consumed by ``_step``
         # (the last row), which TorchRL calls in that order within one ``env.step``.
         self._reward_sum: dict[NestedKey, Tensor] | None = None
         self._active: Tensor | None = None
+        self._env_steps: Tensor | None = None
 
     # ------------------------------------------------------------------ specs
     def _action_key(self, action_keys: list[NestedKey]) -> NestedKey:
@@ -106,6 +135,28 @@ class ChunkedAction(MultiAction):
         action_spec[action_key] = leaf.expand(shape)
         input_spec["full_action_spec"] = action_spec
         return input_spec
+
+    def _transform_observation_spec(self, observation_spec: Composite, ndim: int) -> Composite:
+        # Observations are never stacked (MultiAction's stack_observations=False).
+        if self.env_steps_key is not None:
+            observation_spec[self.env_steps_key] = Bounded(
+                low=0,
+                high=self.executed_chunk_length,
+                shape=(*observation_spec.shape, 1),
+                dtype=torch.int64,
+                device=observation_spec.device,
+            )
+        return observation_spec
+
+    def _reset(
+        self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase
+    ) -> TensorDictBase:
+        tensordict_reset = super()._reset(tensordict, tensordict_reset)
+        if self.env_steps_key is not None:
+            shape = (*tensordict_reset.batch_size, 1)
+            zeros = torch.zeros(shape, dtype=torch.int64, device=tensordict_reset.device)
+            tensordict_reset.set(self.env_steps_key, zeros)
+        return tensordict_reset
 
     def _transform_reward_spec(self, reward_spec: TensorSpec, ndim: int) -> TensorSpec:
         # A sum of k in 1..H' rewards in [low, high] lies in [min(low, H' low), max(high, H' high)].
@@ -169,6 +220,7 @@ class ChunkedAction(MultiAction):
         else:
             active = active.reshape(batch_shape).clone()
         reward_sum = {key: parent.full_reward_spec[key].zero() for key in parent.reward_keys}
+        env_steps = torch.zeros((*batch_shape, 1), dtype=torch.int64, device=chunk.device)
 
         td = tensordict
         for row in rows[:-1]:
@@ -176,6 +228,7 @@ class ChunkedAction(MultiAction):
             td.set(action_key, row)
             if not active.all():
                 td.set("_step", active)
+            env_steps = env_steps + active.unsqueeze(-1)
             td = parent.step(td)
             next_td = td.get("next")
             for key, total in reward_sum.items():
@@ -190,12 +243,16 @@ class ChunkedAction(MultiAction):
         td_out = td.copy()
         td_out.set(action_key, rows[-1])
         # When every sub-environment is already done, TorchRL skips the outer step and copies
-        # the root entries into "next": the root reward must then be the decision's reward.
+        # the root entries into "next": the root reward (and step count) must then be the
+        # decision's.
         td_out.update(reward_sum)
+        if self.env_steps_key is not None:
+            td_out.set(self.env_steps_key, env_steps)
         if not active.all():
             td_out.set("_step", active)
         self._reward_sum = reward_sum
         self._active = active
+        self._env_steps = env_steps + active.unsqueeze(-1)  # the last row, where active
         return td_out
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
@@ -204,17 +261,100 @@ class ChunkedAction(MultiAction):
                 "ChunkedAction._step ran without the chunk's first rows: step the environment "
                 "with env.step / env.rollout, not the transform alone."
             )
-        reward_sum, active = self._reward_sum, self._active
-        self._reward_sum = self._active = None
+        reward_sum, active, env_steps = self._reward_sum, self._active, self._env_steps
+        self._reward_sum = self._active = self._env_steps = None
         batch_shape = next_tensordict.batch_size
         for key, total in reward_sum.items():
             reward = next_tensordict.get(key)
             mask = active.reshape(*batch_shape, *([1] * (reward.ndim - len(batch_shape))))
             next_tensordict.set(key, total + torch.where(mask, reward, torch.zeros_like(reward)))
+        if self.env_steps_key is not None:
+            next_tensordict.set(self.env_steps_key, env_steps)
         return next_tensordict
 
 
-def make_chunked_env(env: EnvBase, executed_chunk_length: int) -> TransformedEnv:
+class ClampAction(Transform):
+    """Clamp the executed action to per-dimension bounds; keep the policy's action stored.
+
+    Flow policies write unbounded actions. This transform clamps the action the environment
+    executes to ``[low, high]`` elementwise, on the inverse (policy to environment) path only:
+    TorchRL applies inverse transforms to a shallow copy of the step's tensordict, so the
+    tensordict a rollout or a collector keeps holds the policy's unclamped ``"action"``, next
+    to its chain and log-probs, and rescoring them in the learner stays exact. The action
+    spec is left as it is (it already describes the box the environment accepts).
+
+    The bounds are the ``low`` / ``high`` of the environment's (bounded) action spec, per
+    dimension, or given explicitly. TorchRL's :class:`~torchrl.envs.transforms.ClipTransform`
+    does the same on the inverse path, but with scalar bounds only. On a chunked environment,
+    place it after :class:`ChunkedAction` (``make_chunked_env(..., clamp_actions=True)``): it
+    then clamps every row of the chunk; on an unwrapped environment, append it directly.
+
+    Args:
+        action_key: the action entry to clamp (default ``"action"``).
+
+    Keyword Args:
+        low: the lower bounds, a tensor broadcastable to the action (with ``high``); default:
+            the action spec's.
+        high: the upper bounds; default: the action spec's.
+
+    Raises:
+        ValueError: only one of ``low`` / ``high`` given, or ``low > high`` somewhere; at step
+            time, bounds read from an action spec that is not bounded.
+
+    Examples:
+        >>> from torchrl.envs import GymEnv
+        >>> env = TransformedEnv(GymEnv("HalfCheetah-v5"), ClampAction())
+        >>> td = env.reset().set("action", torch.full((6,), 3.0))
+        >>> td = env.step(td)
+        >>> td["action"].max().item()  # stored as written; HalfCheetah executed 1.0
+        3.0
+    """
+
+    def __init__(
+        self,
+        action_key: NestedKey = "action",
+        *,
+        low: Tensor | float | None = None,
+        high: Tensor | float | None = None,
+    ):
+        super().__init__(
+            in_keys=[], out_keys=[], in_keys_inv=[action_key], out_keys_inv=[action_key]
+        )
+        if (low is None) != (high is None):
+            raise ValueError("ClampAction takes both low and high, or neither (the spec's).")
+        if low is not None:
+            low, high = torch.as_tensor(low), torch.as_tensor(high)
+            if (low > high).any():
+                raise ValueError("ClampAction needs low <= high in every dimension.")
+        self.register_buffer("low", low)
+        self.register_buffer("high", high)
+
+    def _bounds(self) -> tuple[Tensor, Tensor]:
+        if self.low is not None:
+            return self.low, self.high
+        parent = self.parent
+        if parent is None:
+            raise RuntimeError(
+                "ClampAction reads its bounds from the environment's action spec: append it to "
+                "an environment, or pass low= and high=."
+            )
+        key = self.in_keys_inv[0]
+        spec = parent.full_action_spec[key]
+        if not isinstance(spec, Bounded):
+            raise ValueError(
+                f"ClampAction clamps to the bounds of the action spec, but the spec of {key!r} "
+                f"is {type(spec).__name__}, not bounded; pass low= and high=."
+            )
+        return spec.space.low, spec.space.high
+
+    def _inv_apply_transform(self, action: Tensor) -> Tensor:
+        low, high = self._bounds()
+        return action.clamp(low.to(action), high.to(action))
+
+
+def make_chunked_env(
+    env: EnvBase, executed_chunk_length: int, *, clamp_actions: bool = False
+) -> TransformedEnv:
     """Make ``env`` execute a chunk of ``executed_chunk_length`` actions per step.
 
     The returned environment's action is ``[*B, executed_chunk_length, D]``; its reward is the
@@ -226,9 +366,17 @@ def make_chunked_env(env: EnvBase, executed_chunk_length: int) -> TransformedEnv
     a copy of its transforms followed by :class:`ChunkedAction` (TorchRL's unwrapping of
     nested transformed environments, which keeps ``rand_action`` working).
 
+    Every decision writes ``("next", "env_steps")``, the environment steps it executed (see
+    :class:`ChunkedAction`): a collector's frames count decisions, its batch's environment
+    steps are ``batch["next", "env_steps"].sum()``.
+
     Args:
         env: any batch-locked TorchRL environment (batched or not) with a single action key.
         executed_chunk_length: ``H'``, the number of rows executed per decision.
+
+    Keyword Args:
+        clamp_actions: clamp every executed row to the bounds of ``env``'s action spec, per
+            dimension (:class:`ClampAction`); the stored ``"action"`` stays the policy's.
 
     Examples:
         >>> from torchrl.envs import GymEnv
@@ -236,7 +384,10 @@ def make_chunked_env(env: EnvBase, executed_chunk_length: int) -> TransformedEnv
         >>> env.rollout(3)["action"].shape
         torch.Size([3, 4, 7])
     """
-    return TransformedEnv(env, ChunkedAction(executed_chunk_length), auto_unwrap=True)
+    transform = ChunkedAction(executed_chunk_length)
+    if clamp_actions:  # after ChunkedAction: its inverse clamps the chunk before it is split
+        transform = Compose(transform, ClampAction())
+    return TransformedEnv(env, transform, auto_unwrap=True)
 
 
 def decision_discount(gamma_step: float, executed_chunk_length: int) -> float:

@@ -32,13 +32,16 @@ def flow_matching_per_sample(
     ``x = (1 - sigma) A + sigma noise`` and regresses ``v(x, sigma, context)`` on
     ``noise - A`` (Lipman et al., 2023; Liu et al., 2023), averaged over the action dimension
     and the valid rows. A target with fewer rows than the policy's chunk (the executed rows
-    of a rollout) is zero-padded to ``H`` and its missing rows are masked out.
+    of a rollout) is zero-padded to ``H`` and its missing rows are masked out. A single-step
+    policy (``action_shape = (D,)``) takes targets ``[*B, D]`` (one row).
 
     Args:
         policy: the policy whose network and context are trained.
         tensordict: holds the observation(s); batch shape ``[*B]``.
-        action: the target chunks, ``[*B, H', D]`` with ``H' <= H``.
-        row_mask: ``[*B, H']`` booleans, ``True`` for real rows (default: all).
+        action: the target chunks, ``[*B, H', D]`` with ``H' <= H`` (``[*B, D]`` for a
+            single-step policy).
+        row_mask: ``[*B, H']`` booleans, ``True`` for real rows (default: all; ``[*B]`` for
+            a single-step policy).
         sigma_distribution: see :func:`torchrl_flowpolicy.flow.sample_training_sigma`.
         context_grad: let the gradient reach the encoder.
 
@@ -46,7 +49,16 @@ def flow_matching_per_sample(
         ``[*B]`` per-decision errors.
     """
     batch_shape = tensordict.batch_size
-    chunk_length, action_dim = policy.action_shape
+    if policy.single_step:
+        if action.shape != (*batch_shape, *policy.action_shape):
+            raise ValueError(
+                f"the target action has shape {tuple(action.shape)}; expected batch shape "
+                f"{tuple(batch_shape)} followed by the single-step action shape "
+                f"{tuple(policy.action_shape)}."
+            )
+        action = action.unsqueeze(-2)
+        row_mask = None if row_mask is None else row_mask.unsqueeze(-1)
+    chunk_length, action_dim = policy.chunk_shape
     if action.shape[: len(batch_shape)] != batch_shape or action.shape[len(batch_shape) :][1:] != (
         action_dim,
     ):

@@ -57,6 +57,9 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     Entropy: the bonus is off by default. The step std does not depend on the parameters, so
     the Gaussian steps' entropy, ``H' D (log std + log(2 pi e) / 2)``, has no gradient; it is
     still reported as ``"entropy"``. Exploration is set by the policy's ``noise_level``.
+    ``"loss_entropy"`` is always written, so that TorchRL's scripts can sum
+    ``loss["loss_entropy"]`` as with ``ClipPPOLoss``: ``-entropy_coeff * entropy`` with the bonus,
+    a zero of ``loss_objective``'s shape, dtype and device without it.
 
     Args:
         actor_network: the :class:`~torchrl_flowpolicy.FlowSDEPolicy` to train.
@@ -89,8 +92,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     copied at construction.
 
     Outputs: ``loss_objective``, ``loss_critic`` (with a critic), ``loss_kl`` (``kl_coeff >
-    0``), ``loss_bc`` (``bc_coeff > 0``), ``loss_entropy`` (with the bonus); diagnostics
-    ``clip_fraction``, ``kl_approx``, ``ESS``, ``mean_ratio``, ``max_ratio``,
+    0``), ``loss_bc`` (``bc_coeff > 0``), ``loss_entropy`` (always; zero without the bonus);
+    diagnostics ``clip_fraction``, ``kl_approx``, ``ESS``, ``mean_ratio``, ``max_ratio``,
     ``explained_variance``, ``entropy``, ``kl_reference``, ``log_prob_drift`` (the largest
     ``|logp_new - logp_old|``: about 0 on freshly collected data; a rollout/learner mismatch
     alarm) and ``num_stochastic_steps``.
@@ -115,8 +118,9 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     @dataclass
     class _AcceptedKeys(ClipPPOLoss._AcceptedKeys):
         """TorchRL's keys plus the chain's: ``step_log_prob`` ``[*B, K]``, ``chain``
-        ``[*B, K+1, H, D]``, ``sde_mask`` ``[*B, K]`` (defaults: the policy's) and ``success``
-        ``[*B]`` or ``[*B, 1]`` (self-imitation; default ``"success"``)."""
+        ``[*B, K+1, H, D]`` (``[*B, K+1, D]`` for a single-step policy), ``sde_mask`` ``[*B, K]``
+        (defaults: the policy's) and ``success`` ``[*B]`` or ``[*B, 1]`` (self-imitation;
+        default ``"success"``)."""
 
         step_log_prob: NestedKey = ("flow", "step_log_prob")
         chain: NestedKey = ("flow", "chain")
@@ -211,8 +215,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
                 keys.append("loss_kl")
             if self.bc_coeff > 0:
                 keys.append("loss_bc")
-            if self.entropy_bonus:
-                keys.append("loss_entropy")
+            keys.append("loss_entropy")
             keys += ["clip_fraction", "kl_approx", "ESS", "mean_ratio", "max_ratio"]
             keys += ["entropy", "log_prob_drift", "num_stochastic_steps"]
             self._out_keys = keys
@@ -362,10 +365,10 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         entropy = executed_numel * (steps.std.log() + 0.5 * math.log(2 * math.pi * math.e))
         if self.entropy_bonus:
             dense_entropy = flow.scatter_steps(steps, entropy, shape)
-            out.set(
-                "loss_entropy",
-                -self.entropy_coeff * self._reduce_steps(dense_entropy, sde_mask, tensordict),
-            )
+            loss_entropy = self._reduce_steps(dense_entropy, sde_mask, tensordict)
+            out.set("loss_entropy", -self.entropy_coeff * loss_entropy)
+        else:  # no bonus: a zero, for the scripts that sum every loss_* entry by name
+            out.set("loss_entropy", torch.zeros_like(out["loss_objective"]))
         with torch.no_grad():
             # Diagnostics over the M stochastic entries (row-major), as ClipPPOLoss reports
             # them over its samples.
