@@ -28,7 +28,15 @@ from typing import Literal
 import torch
 from tensordict import TensorDictBase
 from torchrl.collectors import Collector
-from torchrl.envs import EnvBase, GymEnv, RewardSum, SerialEnv, StepCounter, TransformedEnv
+from torchrl.envs import (
+    Compose,
+    EnvBase,
+    GymEnv,
+    RewardSum,
+    SerialEnv,
+    StepCounter,
+    TransformedEnv,
+)
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 from tqdm import tqdm
 
@@ -79,11 +87,12 @@ class SamplerDemoConfig:
 def make_env(config: SamplerDemoConfig) -> EnvBase:
     """One chunked gymnasium env.
 
-    ``StepCounter`` sits inside the chunked env, so it counts environment steps;
-    ``RewardSum`` sits outside, so it adds up decision rewards into the episode return.
+    ``StepCounter`` and ``RewardSum`` sit inside the chunked env: they count environment
+    steps and add up their rewards into the episode return (a transform appended after the
+    chunking is skipped when every sub-env ends mid-chunk; ``docs/chunking.md``).
     """
-    base = TransformedEnv(GymEnv(config.env_name), StepCounter())
-    return TransformedEnv(make_chunked_env(base, config.executed_chunk_length), RewardSum())
+    base = TransformedEnv(GymEnv(config.env_name), Compose(StepCounter(), RewardSum()))
+    return make_chunked_env(base, config.executed_chunk_length)
 
 
 def make_policy(config: SamplerDemoConfig, observation_dim: int, action_dim: int) -> FlowSDEPolicy:
