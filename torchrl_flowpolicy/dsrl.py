@@ -26,6 +26,8 @@ executed rows (``policy.executed_chunk_length``, the chunked environment's chunk
 
 from __future__ import annotations
 
+import math
+
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
@@ -43,11 +45,14 @@ __all__ = [
     "DECODED_ACTION_KEY",
     "NOISE_KEY",
     "DEFAULT_NOISE_BOUND",
+    "NOISE_BOUND_TOLERANCE",
 ]
 
 DECODED_ACTION_KEY: NestedKey = ("dsrl", "decoded_action")
 NOISE_KEY: NestedKey = ("dsrl", "noise")
 DEFAULT_NOISE_BOUND = 1.5
+#: Relative slack on ``noise_bound`` when a noise action is checked (float rounding).
+NOISE_BOUND_TOLERANCE = 1e-5
 
 
 def freeze_policy(policy: FlowSDEPolicy) -> FlowSDEPolicy:
@@ -57,7 +62,14 @@ def freeze_policy(policy: FlowSDEPolicy) -> FlowSDEPolicy:
     return policy
 
 
-def _check_noise(noise: Tensor | None, expected: tuple[int, ...], key: NestedKey) -> Tensor:
+def _check_noise(
+    noise: Tensor | None, expected: tuple[int, ...], key: NestedKey, bound: float | None = None
+) -> Tensor:
+    """The noise action, checked: present, of shape ``expected``, finite, within ``bound``.
+
+    ``bound`` (the transform's ``noise_bound``) is enforced up to a relative ``1e-5`` (the
+    rounding of a squashed actor's ``bound * tanh``); ``None``: finite only.
+    """
     if noise is None:
         raise KeyError(f"DSRL expected the noise action at {key!r}; it is missing.")
     if tuple(noise.shape) != expected:
@@ -65,6 +77,21 @@ def _check_noise(noise: Tensor | None, expected: tuple[int, ...], key: NestedKey
             f"DSRL noise action at {key!r} has shape {tuple(noise.shape)}, expected "
             f"{expected} (batch shape followed by the policy's action_shape (H, D): the full "
             f"initial noise x_0 of the chunk)."
+        )
+    # One reduction for both checks: NaN fails the comparison too.
+    limit = math.inf if bound is None else bound * (1 + NOISE_BOUND_TOLERANCE)
+    if not (noise.abs() <= limit).all():
+        finite = torch.isfinite(noise)
+        if not finite.all():
+            raise ValueError(
+                f"DSRL noise action at {key!r} is not finite ({int((~finite).sum())} NaN or "
+                f"inf values): the noise actor diverged or its input is not finite."
+            )
+        raise ValueError(
+            f"DSRL noise action at {key!r} lies outside [-noise_bound, noise_bound] "
+            f"(noise_bound={bound:g}): largest |value| {noise.abs().max().item():.4g}. The "
+            f"action spec is bounded; the frozen flow would decode noise it was never "
+            f"trained on. Squash or clip the noise actor's output to the bound."
         )
     return noise
 
@@ -108,7 +135,10 @@ class NoiseActionTransform(Transform):
     Raises:
         ValueError: at construction, a non-positive ``noise_bound``; when the environment's
             specs are built, a chunk spec that does not match the policy (``[*B, H', D]``);
-            at step time, a noise action whose shape is not ``[*B, H, D]``.
+            at step time, a noise action whose shape is not ``[*B, H, D]``, that is not
+            finite, or that lies outside ``[-noise_bound, noise_bound]`` (up to a relative
+            ``1e-5``): it is refused, not clamped, since a noise actor that leaves its bound
+            is a bug to see (a squashed actor, as DSRL's, stays within it).
 
     Examples:
         >>> from torchrl.envs import GymEnv
@@ -134,8 +164,8 @@ class NoiseActionTransform(Transform):
         noise_key: NestedKey | None = None,
         decoded_action_key: NestedKey = DECODED_ACTION_KEY,
     ):
-        if not noise_bound > 0:
-            raise ValueError(f"noise_bound must be positive, got {noise_bound}.")
+        if not (math.isfinite(noise_bound) and noise_bound > 0):
+            raise ValueError(f"noise_bound must be a finite positive number, got {noise_bound}.")
         noise_key = action_key if noise_key is None else noise_key
         super().__init__(
             in_keys=[],
@@ -203,7 +233,8 @@ class NoiseActionTransform(Transform):
     def decode(self, tensordict: TensorDictBase) -> Tensor:
         """The chunk ``[*B, H', D]`` decoded from the noise action of ``tensordict``."""
         expected = (*tensordict.batch_size, *self.policy.action_shape)
-        noise = _check_noise(tensordict.get(self.noise_key, None), expected, self.noise_key)
+        noise = tensordict.get(self.noise_key, None)
+        noise = _check_noise(noise, expected, self.noise_key, self.noise_bound)
         return self.policy.decode(tensordict, noise)
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -237,7 +268,9 @@ class NoiseDecoder(TensorDictModuleBase):
     (``no_grad``). Chain it after a noise actor
     (``TensorDictSequential(noise_actor, NoiseDecoder(policy))``) to act in the plain chunked
     environment, and point the off-policy loss at the noise
-    (``SACLoss(...).set_keys(action=noise_key)``). The policy is frozen in place.
+    (``SACLoss(...).set_keys(action=noise_key)``). The policy is frozen in place. A noise
+    entry that is not finite is refused with a ``ValueError`` naming ``noise_key`` (the noise
+    actor bounds its own output: no bound is checked here).
 
     Args:
         policy: the pretrained :class:`~torchrl_flowpolicy.FlowSDEPolicy`.

@@ -29,6 +29,9 @@ Context = Tensor | tuple[Tensor, ...]
 
 #: Parameters whose change invalidates the cached sampling schedules.
 _SCHEDULE_PARAMETERS = ("num_steps", "eval_num_steps", "noise_level", "shift", "noise_schedule")
+#: Parameters validated together (:meth:`FlowSDEPolicy._check_sampler`), at construction and
+#: whenever one of them is set.
+_SAMPLER_PARAMETERS = (*_SCHEDULE_PARAMETERS, "sde_mode", "num_sde_steps")
 
 
 class FlowSDEPolicy(TensorDictModuleBase):
@@ -75,8 +78,8 @@ class FlowSDEPolicy(TensorDictModuleBase):
             action per environment step, ``H = H' = 1``).
         in_keys: observation keys read from the tensordict.
         encoder: optional ``encoder(*observations) -> context``, run once per decision.
-        num_steps: ``K`` for rollouts and ``log_prob``.
-        eval_num_steps: ``K`` for the deterministic ODE.
+        num_steps: ``K`` for rollouts and ``log_prob`` (an integer).
+        eval_num_steps: ``K`` for the deterministic ODE (an integer >= 1).
         eval_noise_scale: the standard deviation of the deterministic ODE's initial noise
             (>= 0). 0 (default): the noise-free chunk ``x_0 = 0``, repeatable; 1: the ODE
             from ``x_0 ~ N(0, I)``, a sample of the model's distribution.
@@ -86,12 +89,15 @@ class FlowSDEPolicy(TensorDictModuleBase):
             in the log-probability, and the noise-free decoding (``eval_noise_scale=0``) is
             the policy that the rollouts perturb. ``x_0`` is stored in the chain, and its
             density does not depend on the parameters, so ``log_prob`` is the same either way.
-        noise_level: ``a`` (>= 0), the exploration knob. With ``a = 0`` no step is stochastic
-            (the RANDOM chain is the Euler ODE, its log-probs are 0).
+        noise_level: ``a`` (finite, >= 0), the exploration knob. With ``a = 0`` no step is
+            stochastic (the RANDOM chain is the Euler ODE, its log-probs are 0). A value that
+            makes a stochastic step overshoot (about ``a > 2``) warns
+            (:func:`flow.check_sampler <torchrl_flowpolicy.flow.check_sampler>`).
         sde_mode: ``"mixed"`` (one random stochastic step in ``1..K-1``), ``"last"``
             (the last ``num_sde_steps``) or ``"all"`` (``1..K-1``).
         num_sde_steps: the number of stochastic steps for ``"last"``.
-        shift: time shift of the sigma grid (1.0: uniform).
+        shift: time shift of the sigma grid (finite, > 0; 1.0: uniform). A shift so large
+            that two noise levels are equal in the chain's dtype is refused.
         noise_schedule: ``"sqrt"`` (``g = a sqrt(sigma / (1 - sigma))``) or ``"constant"``.
         executed_chunk_length: ``H'``, the number of leading chunk rows the environment
             executes (pi-RL predicts 10 and executes 5); the log-probability covers those rows
@@ -101,6 +107,12 @@ class FlowSDEPolicy(TensorDictModuleBase):
             policy outside a context (``compile_policy`` / ``cudagraph_policy`` hide
             :attr:`spec`) then sees the chain and the log-probs. Evaluate under
             ``set_exploration_type(ExplorationType.DETERMINISTIC)``.
+
+    The sampler parameters (``num_steps``, ``eval_num_steps``, ``noise_level``, ``sde_mode``,
+    ``num_sde_steps``, ``shift``, ``noise_schedule``) are checked together at construction and
+    whenever one is set (``policy.noise_level = 0.3``): a bad value raises a ``ValueError``
+    naming it and leaves the policy unchanged. A velocity network that declares an
+    ``action_shape`` (the reference networks do) must match the policy's.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -174,8 +186,6 @@ class FlowSDEPolicy(TensorDictModuleBase):
                 f"executed_chunk_length must be in 1..{chunk_length} (the chunk length), "
                 f"got {executed_chunk_length}."
             )
-        if eval_num_steps < 1:
-            raise ValueError(f"eval_num_steps must be >= 1, got {eval_num_steps}.")
         if not (math.isfinite(eval_noise_scale) and eval_noise_scale >= 0):
             raise ValueError(
                 f"eval_noise_scale must be a finite number >= 0, got {eval_noise_scale}."
@@ -184,7 +194,17 @@ class FlowSDEPolicy(TensorDictModuleBase):
             raise ValueError(
                 f"rollout_noise_scale must be a finite number >= 0, got {rollout_noise_scale}."
             )
-        flow.check_sampler(num_steps, noise_level, sde_mode, num_sde_steps, shift, noise_schedule)
+        declared = getattr(velocity_network, "action_shape", None)
+        if isinstance(declared, Sequence) and tuple(declared) not in (
+            tuple(self.action_shape),
+            tuple(self.chunk_shape),
+        ):
+            raise ValueError(
+                f"velocity_network was built for action_shape {tuple(declared)}, but the "
+                f"policy has action_shape {tuple(self.action_shape)}: it would reshape chunks "
+                f"{tuple(self.chunk_shape)} silently. Build the network with the policy's "
+                f"action_shape (chunk_shape {tuple(self.chunk_shape)} for a single-step policy)."
+            )
         self.velocity_network = velocity_network
         self.encoder = encoder
         self.in_keys = list(in_keys)
@@ -192,22 +212,54 @@ class FlowSDEPolicy(TensorDictModuleBase):
         self.out_keys = [
             getattr(self.tensor_keys, f.name) for f in dataclasses.fields(self.tensor_keys)
         ]
-        self.num_steps = num_steps
-        self.eval_num_steps = eval_num_steps
+        sampler = {
+            "num_steps": num_steps,
+            "eval_num_steps": eval_num_steps,
+            "noise_level": noise_level,
+            "shift": shift,
+            "noise_schedule": noise_schedule,
+            "sde_mode": sde_mode,
+            "num_sde_steps": num_sde_steps,
+        }
+        self._check_sampler(sampler)
+        # Set past __setattr__'s check, which validates one changed parameter against the others.
+        self.__dict__.update(sampler, noise_level=float(noise_level), shift=float(shift))
         self.eval_noise_scale = float(eval_noise_scale)
         self.rollout_noise_scale = float(rollout_noise_scale)
-        self.noise_level = float(noise_level)
-        self.sde_mode = sde_mode
-        self.num_sde_steps = num_sde_steps
-        self.shift = float(shift)
-        self.noise_schedule = noise_schedule
         self.executed_chunk_length = executed_chunk_length
         self.default_interaction_type = ExplorationType(default_interaction_type)
 
     def __setattr__(self, name, value):
-        if name in _SCHEDULE_PARAMETERS:
+        if name in _SAMPLER_PARAMETERS and "num_steps" in self.__dict__:
+            # Checked with the other sampler parameters before the change: a refused value
+            # leaves the policy as it was.
+            current = {key: getattr(self, key) for key in _SAMPLER_PARAMETERS}
+            self._check_sampler({**current, name: value})
             self.__dict__["_schedules"] = {}
         super().__setattr__(name, value)
+
+    def _check_sampler(self, sampler: dict) -> None:
+        """Validate the sampler parameters together (``ValueError`` naming the argument).
+
+        :func:`flow.check_sampler <torchrl_flowpolicy.flow.check_sampler>` for the rollouts'
+        sampler (which also warns about steps that explode), then ``eval_num_steps`` and its
+        grid; the grids are checked in the chain's dtype (:attr:`network_dtype`, widened).
+        """
+        dtype = flow.probability_dtype(self.network_dtype)
+        flow.check_sampler(
+            sampler["num_steps"],
+            sampler["noise_level"],
+            sampler["sde_mode"],
+            sampler["num_sde_steps"],
+            sampler["shift"],
+            sampler["noise_schedule"],
+            dtype=dtype,
+        )
+        flow.check_integer("eval_num_steps", sampler["eval_num_steps"], 1)
+        try:
+            flow.sigma_grid(sampler["eval_num_steps"], sampler["shift"], dtype=dtype)
+        except ValueError as error:
+            raise ValueError(f"eval_num_steps={sampler['eval_num_steps']}: {error}") from None
 
     # ------------------------------------------------------------------ shapes, keys, specs
     @property
@@ -408,7 +460,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         batch_shape = tensordict.batch_size
         context = self.context(tensordict)
         device = (context[0] if isinstance(context, tuple) else context).device
-        num_decisions = max(math.prod(batch_shape), 1)
+        num_decisions = math.prod(batch_shape)  # 1 for an unbatched tensordict, 0 if empty
         if (exploration_type() or self.default_interaction_type) == ExplorationType.RANDOM:
             entries = self._sample(context, num_decisions, device)
         else:
@@ -435,6 +487,11 @@ class FlowSDEPolicy(TensorDictModuleBase):
             raise ValueError(
                 f"initial_noise has shape {tuple(initial_noise.shape)}, expected {expected} "
                 f"(batch shape followed by action_shape {tuple(self.action_shape)})."
+            )
+        if not flow.all_finite(initial_noise):
+            raise ValueError(
+                f"initial_noise is not finite ({int((~torch.isfinite(initial_noise)).sum())} "
+                f"NaN or inf values): the chunk decoded from it would be NaN."
             )
         noise = initial_noise.reshape(-1, *self.chunk_shape)
         action = self._ode(
@@ -468,6 +525,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         context_grad: bool = False,
         chain_key: NestedKey | None = None,
         sde_mask_key: NestedKey | None = None,
+        check_data: bool = True,
     ) -> StochasticSteps:
         """The Gaussian transitions of the stored stochastic steps (:func:`flow.stochastic_steps`).
 
@@ -475,15 +533,26 @@ class FlowSDEPolicy(TensorDictModuleBase):
         means); ``mean`` and ``sample`` are ``[M, H', D]`` (``[M, 1, D]`` for a single-step
         policy). ``context_grad`` lets it reach the encoder; ``chain_key`` / ``sde_mask_key``
         default to ``tensor_keys``.
+
+        Raises a ``ValueError`` naming the key when the stored data cannot be scored: a mask
+        that marks step 0 (``sigma = 1``, never stochastic), a non-finite stored sample
+        ``x_{k+1}`` of a stochastic step (both checked unless ``check_data=False``), a
+        non-finite stored ``x_k`` or velocity (always: the means are checked).
         """
         num_steps = self.num_steps
+        chain_key = chain_key or self.tensor_keys.chain
+        sde_mask_key = sde_mask_key or self.tensor_keys.sde_mask
         chain = self._stored(
-            tensordict,
-            chain_key or self.tensor_keys.chain,
-            (num_steps + 1, *self.action_shape),
-            chain=True,
+            tensordict, chain_key, (num_steps + 1, *self.action_shape), chain=True
         ).reshape(-1, num_steps + 1, *self.chunk_shape)
-        sde_mask = self._stored(tensordict, sde_mask_key or self.tensor_keys.sde_mask, (num_steps,))
+        sde_mask = self._stored(tensordict, sde_mask_key, (num_steps,))
+        if check_data and sde_mask[:, 0].any():
+            raise ValueError(
+                f"the stored mask {sde_mask_key!r} marks step 0 as stochastic for "
+                f"{int(sde_mask[:, 0].sum())} decisions: step 0 (sigma = 1) is never "
+                f"stochastic (its SDE std is undefined). The data were not written by "
+                f"FlowSDEPolicy, or were altered."
+            )
         context = self.context(tensordict, grad=context_grad)
         network_dtype = self.network_dtype
         dtype = flow.probability_dtype(network_dtype)
@@ -494,12 +563,34 @@ class FlowSDEPolicy(TensorDictModuleBase):
             self.schedule(num_steps, dtype, chain.device),
             self.executed_chunk_length,
         )
-        if not torch.isfinite(steps.mean).all():
+        if not flow.all_finite(steps.mean):
+            inputs = chain[steps.decision_index, steps.step_index]
+            if not torch.isfinite(inputs).all():
+                raise ValueError(
+                    f"the stored chain {chain_key!r} is not finite at the inputs x_k of "
+                    f"stochastic steps (decision, step) "
+                    f"{self._bad_entries(steps, ~torch.isfinite(inputs).flatten(1).all(-1))}: "
+                    f"the data were corrupted; drop them."
+                )
             raise ValueError(
                 "velocity_network produced non-finite values while recomputing log-probs "
                 "from the stored chain (log_prob)."
             )
+        if check_data and not flow.all_finite(steps.sample):
+            bad = ~torch.isfinite(steps.sample).flatten(1).all(-1)
+            raise ValueError(
+                f"the stored chain {chain_key!r} is not finite at the samples x_(k+1) of "
+                f"stochastic steps (decision, step) {self._bad_entries(steps, bad)}: the data "
+                f"were corrupted; drop them."
+            )
         return steps
+
+    @staticmethod
+    def _bad_entries(steps: StochasticSteps, bad: Tensor, limit: int = 3) -> str:
+        """The first flattened ``(decision, step)`` pairs where ``bad [M]``, for messages."""
+        pairs = torch.stack([steps.decision_index[bad], steps.step_index[bad]], -1)
+        shown = ", ".join(str(tuple(pair)) for pair in pairs[:limit].tolist())
+        return shown + (f" and {len(pairs) - limit} more" if len(pairs) > limit else "")
 
     def log_prob(self, tensordict: TensorDictBase, *, context_grad: bool = False) -> Tensor:
         """Per-step log-probs ``[*B, K]`` of a stored chain under the current parameters.

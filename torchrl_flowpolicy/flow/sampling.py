@@ -14,6 +14,7 @@ its network, context and dtype, so this module stays free of modules and TensorD
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,6 +24,8 @@ from torch import Tensor
 from torchrl_flowpolicy.flow.sde import (
     NoiseSchedule,
     SDEMode,
+    check_integer,
+    check_noise_level,
     gaussian_log_prob,
     sample_sde_mask,
     sigma_grid,
@@ -30,6 +33,8 @@ from torchrl_flowpolicy.flow.sde import (
 )
 
 __all__ = [
+    "MAX_STEP_X_COEFFICIENT",
+    "all_finite",
     "check_sampler",
     "SamplingSchedule",
     "sampling_schedule",
@@ -42,6 +47,31 @@ __all__ = [
 ]
 
 
+def all_finite(tensor: Tensor) -> bool:
+    """Whether every entry of ``tensor`` is finite, at the cost of one sum.
+
+    A finite sum proves every entry finite; only a non-finite sum (a NaN or inf entry, or
+    finite entries whose sum overflows) needs the elementwise check. On the CPU this is
+    several times cheaper than ``torch.isfinite(tensor).all()``, which allocates a mask.
+
+    Examples:
+        >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
+        (True, False)
+        >>> all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows, the entries do not
+        True
+    """
+    tensor = tensor.detach()
+    return math.isfinite(tensor.sum().item()) or bool(torch.isfinite(tensor).all())
+
+
+#: The largest ``|x_coefficient_k|`` (the weight of ``x_k`` in a stochastic step's mean) that
+#: :func:`check_sampler` accepts without a warning. Beyond 1 the step's score correction
+#: ``c_k |Delta_k|`` exceeds 2: the mean overshoots the noise it removes, and a chain of such
+#: steps explodes. On a uniform grid step 1 has ``x_coefficient = 1 - a^2 / 2`` whatever ``K``
+#: (``a = noise_level``), so the limit is ``a = 2``.
+MAX_STEP_X_COEFFICIENT = 1.0
+
+
 def check_sampler(
     num_steps: int,
     noise_level: float,
@@ -49,8 +79,17 @@ def check_sampler(
     num_sde_steps: int = 4,
     shift: float = 1.0,
     noise_schedule: NoiseSchedule = "sqrt",
+    *,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Raise a ``ValueError`` naming the argument when the sampler's parameters are invalid.
+
+    Checks that ``noise_level`` is finite and ``>= 0``, ``num_steps`` and ``num_sde_steps``
+    are integers that fit ``sde_mode``, ``shift`` is finite and ``> 0`` and the sigma grid is
+    strictly decreasing in ``dtype`` (the chain's dtype). Warns (``UserWarning``) when a step
+    that ``sde_mode`` can make stochastic has ``|x_coefficient| >`` :data:`MAX_STEP_X_COEFFICIENT`
+    (see :func:`~torchrl_flowpolicy.flow.step_coefficients`): such a step overshoots, e.g.
+    ``noise_level=5`` gives ``1 - 5^2 / 2 = -11.5`` at step 1 and actions in the thousands.
 
     Examples:
         >>> check_sampler(8, 0.5)  # valid: returns None
@@ -59,12 +98,34 @@ def check_sampler(
         ...
         ValueError: sde_mode='mixed' needs num_steps >= 2 (step 0 is never stochastic), got num_steps=1.
     """
-    if noise_level < 0:
-        raise ValueError(f"noise_level must be >= 0, got {noise_level}.")
+    check_noise_level(noise_level)
     if noise_schedule not in ("sqrt", "constant"):
         raise ValueError(f"noise_schedule must be 'sqrt' or 'constant', got {noise_schedule!r}.")
+    check_integer("num_steps", num_steps, 1)
+    check_integer("num_sde_steps", num_sde_steps, 1)
     sample_sde_mask((1,), num_steps, sde_mode, num_sde_steps)  # sde_mode against K and n
-    sigma_grid(num_steps, shift)  # num_steps >= 1, shift > 0
+    sigma_grid(num_steps, shift, dtype=dtype)  # shift > 0, strictly decreasing in dtype
+    if noise_level == 0:
+        return
+    # Steps that sde_mode can make stochastic (step 0 never is).
+    first = num_steps - num_sde_steps if sde_mode == "last" else 1
+    sigmas = sigma_grid(num_steps, shift, dtype=torch.float64)
+    x_coefficient = step_coefficients(sigmas, noise_level, noise_schedule)[0][first:]
+    worst = int(x_coefficient.abs().argmax())
+    coefficient = float(x_coefficient[worst])
+    if abs(coefficient) > MAX_STEP_X_COEFFICIENT:
+        step = first + worst
+        warnings.warn(
+            f"noise_level={noise_level!r} makes stochastic step {step} (sigma="
+            f"{float(sigmas[step])!r}; num_steps={num_steps}, shift={shift:g}, "
+            f"noise_schedule={noise_schedule!r}, sde_mode={sde_mode!r}) multiply x_k by "
+            f"{coefficient:.4g} in its mean (|x_coefficient| > {MAX_STEP_X_COEFFICIENT:g}): the "
+            f"step overshoots and the actions can explode. Lower noise_level (on a uniform "
+            f"grid step 1 has 1 - noise_level^2 / 2, whatever num_steps) or use "
+            f"sde_mode='last'.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class SamplingSchedule(NamedTuple):
@@ -100,6 +161,9 @@ def sampling_schedule(
     device: torch.device | str | None = None,
 ) -> SamplingSchedule:
     """The grid and the affine coefficients of every step (see :class:`SamplingSchedule`).
+
+    Raises a ``ValueError`` when the grid is not strictly decreasing in ``dtype``
+    (:func:`~torchrl_flowpolicy.flow.sigma_grid`).
 
     Examples:
         >>> schedule = sampling_schedule(4, noise_level=0.0)
@@ -186,9 +250,14 @@ def integrate(
         if noise_steps is not None:
             torch.add(mean, noise_steps[step], out=chain[step + 1])
     chain = chain.transpose(0, 1)
-    # A finite sum proves a finite chain; only a non-finite sum needs the exact check.
-    if not torch.isfinite(chain.sum()) and not torch.isfinite(chain).all():
+    if not all_finite(chain):
         bad = int((~torch.isfinite(chain)).flatten(2).any(-1).any(0).nonzero()[0]) - 1
+        if bad < 0:
+            raise ValueError(
+                "the initial noise x_0 (initial_noise) is not finite: the chain starts from "
+                "NaN or inf. Check where the noise comes from (a DSRL noise actor, a decode "
+                "call)."
+            )
         raise ValueError(
             f"the velocity produced non-finite values at denoising step {bad} "
             f"(sigma={float(schedule.sigmas[bad]):.4f}): x_{bad + 1} is not finite. Check the "
@@ -239,6 +308,11 @@ def network_velocity(
         if sigma.dtype != network_dtype:
             sigma = sigma.to(network_dtype)
         v = network(x.to(network_dtype) if cast else x, sigma, entries)
+        if not isinstance(v, Tensor):
+            raise TypeError(
+                f"velocity_network returned a {type(v).__name__}; expected a tensor of shape "
+                f"{tuple(x.shape)} ([N, H, D], the shape of x)."
+            )
         if v.shape != x.shape:
             raise ValueError(
                 f"velocity_network returned shape {tuple(v.shape)}; expected "
@@ -329,6 +403,6 @@ def scatter_steps(steps: StochasticSteps, values: Tensor, shape: torch.Size) -> 
                 [0., 0., 5.]])
     """
     *batch_shape, num_steps = shape
-    out = values.new_zeros(max(math.prod(batch_shape), 1), num_steps)
+    out = values.new_zeros(math.prod(batch_shape), num_steps)  # prod(()) = 1: one decision
     out = out.index_put((steps.decision_index, steps.step_index), values)
     return out.reshape(shape)

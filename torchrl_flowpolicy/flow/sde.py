@@ -7,6 +7,7 @@ symbol table); each is tested against its closed form.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Literal
 
 import torch
@@ -16,6 +17,8 @@ __all__ = [
     "NoiseSchedule",
     "SDEMode",
     "SIGMA_CLAMP",
+    "check_integer",
+    "check_noise_level",
     "probability_dtype",
     "sigma_grid",
     "noise_std_scale",
@@ -32,6 +35,33 @@ SDEMode = Literal["mixed", "last", "all"]
 
 #: Lower bound on ``1 - sigma`` in the ``"sqrt"`` schedule, where ``g`` diverges at sigma = 1.
 SIGMA_CLAMP = 1e-3
+
+
+def check_integer(name: str, value: object, minimum: int) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` is an integer ``>= minimum``.
+
+    Python and NumPy integers count; floats (even ``8.0``), booleans and tensors do not.
+
+    Examples:
+        >>> check_integer("num_steps", 8, 1)  # valid: returns None
+        >>> check_integer("num_steps", 2.5, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: num_steps must be an integer >= 1, got 2.5.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+def check_noise_level(noise_level: object) -> None:
+    """Raise a ``ValueError`` unless ``noise_level`` (``a``) is a finite number ``>= 0``."""
+    if not (
+        isinstance(noise_level, numbers.Real)
+        and not isinstance(noise_level, bool)
+        and math.isfinite(noise_level)
+        and noise_level >= 0
+    ):
+        raise ValueError(f"noise_level must be a finite number >= 0, got {noise_level!r}.")
 
 
 def probability_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -61,25 +91,40 @@ def sigma_grid(
     more steps at high noise, as in Stable Diffusion 3 and Fast-WAM).
 
     Args:
-        num_steps: the number of denoising steps ``K`` (>= 1).
-        shift: the shift ``s`` (> 0).
+        num_steps: the number of denoising steps ``K`` (an integer >= 1).
+        shift: the shift ``s`` (finite, > 0).
         dtype: dtype of the returned grid.
         device: device of the returned grid.
 
     Returns:
         A tensor of shape ``[K + 1]``.
 
+    Raises:
+        ValueError: a bad ``num_steps`` or ``shift``, or a grid that is not strictly
+            decreasing in ``dtype`` (a large shift puts ``sigma_1`` within rounding of 1:
+            ``shift=1e8`` at ``K = 8`` in float32).
+
     Examples:
         >>> sigma_grid(4)
         tensor([1.0000, 0.7500, 0.5000, 0.2500, 0.0000])
     """
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
-    if not shift > 0:
-        raise ValueError(f"shift must be > 0 (1.0 means no shift), got {shift}.")
+    check_integer("num_steps", num_steps, 1)
+    if not (isinstance(shift, numbers.Real) and math.isfinite(shift) and shift > 0):
+        raise ValueError(f"shift must be a finite number > 0 (1.0 means no shift), got {shift!r}.")
     sigma = 1.0 - torch.arange(num_steps + 1, dtype=torch.float64) / num_steps
     sigma = shift * sigma / (1.0 + (shift - 1.0) * sigma)
-    return sigma.to(dtype=dtype, device=device)
+    grid = sigma.to(dtype=dtype)
+    # Two equal levels would make a zero step: std 0, a NaN log-probability.
+    equal = (grid[1:] >= grid[:-1]).nonzero()
+    if equal.numel():
+        step = int(equal[0])
+        raise ValueError(
+            f"shift={shift:g} collapses the sigma grid of num_steps={num_steps} in {dtype}: "
+            f"sigma_{step} and sigma_{step + 1} are both {float(grid[step])!r} (a zero step, "
+            f"whose std is 0 and log-probability NaN). Use a smaller shift, fewer steps or a "
+            f"wider dtype."
+        )
+    return grid.to(device=device)
 
 
 def noise_std_scale(sigma: Tensor, noise_level: float, schedule: NoiseSchedule = "sqrt") -> Tensor:
@@ -92,8 +137,7 @@ def noise_std_scale(sigma: Tensor, noise_level: float, schedule: NoiseSchedule =
         >>> noise_std_scale(torch.tensor([0.5]), 0.5)
         tensor([0.5000])
     """
-    if noise_level < 0:
-        raise ValueError(f"noise_level must be >= 0, got {noise_level}.")
+    check_noise_level(noise_level)
     if schedule == "sqrt":
         return noise_level * torch.sqrt(sigma / (1.0 - sigma).clamp_min(SIGMA_CLAMP))
     if schedule == "constant":
@@ -198,8 +242,7 @@ def sde_step(
         >>> mean[0, 0].item(), round(std.item(), 4)
         (-0.28125, 0.25)
     """
-    if noise_level < 0:
-        raise ValueError(f"noise_level must be >= 0, got {noise_level}.")
+    check_noise_level(noise_level)
     step_size = sigma_next - sigma
     drift = velocity + _drift_coefficient(sigma, noise_level, schedule) * (
         x + (1.0 - sigma) * velocity
@@ -260,6 +303,7 @@ def sample_sde_mask(
         tensor([[False,  True,  True,  True],
                 [False,  True,  True,  True]])
     """
+    check_integer("num_steps", num_steps, 1)
     shape = tuple(batch_shape) + (num_steps,)
     steps = torch.arange(num_steps, device=device)
     if mode == "mixed":
@@ -273,6 +317,7 @@ def sample_sde_mask(
         )
         return steps == chosen
     if mode == "last":
+        check_integer("num_sde_steps", num_sde_steps, 1)
         if not 1 <= num_sde_steps <= num_steps - 1:
             raise ValueError(
                 f"sde_mode='last' needs 1 <= num_sde_steps <= num_steps - 1 (step 0 is never "

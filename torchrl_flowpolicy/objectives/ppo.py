@@ -27,6 +27,32 @@ __all__ = ["DenoisingClipPPOLoss"]
 KLEstimator = Literal["analytic", "sample"]
 
 
+def _check_clip_epsilon(clip_epsilon: float | tuple[float, float]) -> None:
+    """A number in ``(0, 1)``, or a ``(low, high)`` pair with ``0 <= low < 1``, ``high >= 0``.
+
+    TorchRL validates the pair only; a scalar ``1.5`` would make ``log(1 - eps)`` NaN.
+    """
+
+    def number(value) -> float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return math.nan
+
+    if isinstance(clip_epsilon, (tuple, list)):
+        bounds = [number(eps) for eps in clip_epsilon]
+        if len(bounds) != 2 or not (0 <= bounds[0] < 1 and 0 <= bounds[1] < math.inf):
+            raise ValueError(
+                f"clip_epsilon=(low, high) needs finite numbers with 0 <= low < 1 and "
+                f"high >= 0, got {clip_epsilon!r}."
+            )
+    elif not 0 < number(clip_epsilon) < 1:
+        raise ValueError(
+            f"clip_epsilon must be in (0, 1) (the ratio is clipped to [1 - eps, 1 + eps]), got "
+            f"{clip_epsilon!r}."
+        )
+
+
 class DenoisingClipPPOLoss(ClipPPOLoss):
     """PPO's clipped objective taken per (decision, stochastic denoising step).
 
@@ -66,7 +92,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         critic_network: a value network writing ``"state_value"`` (optional).
 
     Keyword Args:
-        clip_epsilon: a float, or a ``(low, high)`` pair for clip-higher (e.g. ``(0.2, 0.28)``,
+        clip_epsilon: a float in ``(0, 1)``, or a ``(low, high)`` pair for clip-higher (e.g. ``(0.2, 0.28)``,
             SimpleVLA-RL / DAPO).
         dual_clip: ``c > 1`` enables dual-clip PPO (Ye et al., 2020): for negative advantages
             the objective is floored at ``c * A``. ``None`` (default): off.
@@ -82,6 +108,12 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             decisions flagged successful (key ``success``). Default 0: off.
         sigma_distribution: the noise-level distribution of the self-imitation term.
         entropy_bonus: add ``-entropy_coeff * entropy`` (default ``False``; see above).
+        check_data: check the stored data the loss reads before using them (default
+            ``True``): a finite advantage, finite stored log-probs and samples ``x_{k+1}``
+            at the stochastic entries, no stochastic step 0, and a finite ``loss_objective``
+            (an overflow). A ``ValueError`` naming the key replaces the NaN that one bad entry
+            would spread to every weight through the optimiser. The checks cost one sum per
+            tensor (tens of microseconds per call on a CPU; ``docs/reliability.md``).
         **kwargs: forwarded to :class:`~torchrl.objectives.ClipPPOLoss` (``critic_coeff``,
             ``loss_critic_type``, ``normalize_advantage``, ``advantage_norm``, ``clip_value``,
             ``max_importance_ratio``, ``reduction``, ``functional``, ``separate_losses``,
@@ -96,7 +128,10 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     diagnostics ``clip_fraction``, ``kl_approx``, ``ESS``, ``mean_ratio``, ``max_ratio``,
     ``explained_variance``, ``entropy``, ``kl_reference``, ``log_prob_drift`` (the largest
     ``|logp_new - logp_old|``: about 0 on freshly collected data; a rollout/learner mismatch
-    alarm) and ``num_stochastic_steps``.
+    alarm) and ``num_stochastic_steps``. Without any stochastic entry (``noise_level = 0``,
+    an all-False mask, an empty batch) the losses are 0 and the diagnostics take the values
+    of unit ratios: ``clip_fraction``, ``kl_approx``, ``kl_reference``, ``entropy`` and
+    ``log_prob_drift`` 0, ``ESS``, ``mean_ratio`` and ``max_ratio`` 1.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -146,6 +181,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         bc_coeff: float = 0.0,
         sigma_distribution: flow.SigmaDistribution = "uniform",
         entropy_bonus: bool = False,
+        check_data: bool = True,
         **kwargs: Any,
     ):
         if not isinstance(actor_network, FlowSDEPolicy):
@@ -163,6 +199,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             raise ValueError(
                 "samples_mc_entropy does not apply: the Gaussian steps' entropy is in closed form."
             )
+        _check_clip_epsilon(clip_epsilon)
         if dual_clip is not None and dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}.")
         if kl_coeff < 0 or bc_coeff < 0:
@@ -187,6 +224,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         self.kl_estimator = kl_estimator
         self.bc_coeff = bc_coeff
         self.sigma_distribution = sigma_distribution
+        self.check_data = check_data
         policy_keys = actor_network.tensor_keys
         self.set_keys(
             action=policy_keys.action,
@@ -240,6 +278,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
                 context_grad=self.context_grad,
                 chain_key=self.tensor_keys.chain,
                 sde_mask_key=self.tensor_keys.sde_mask,
+                check_data=self.check_data,
             )
 
     def _old_step_log_prob(self, tensordict: TensorDictBase, steps: StochasticSteps) -> Tensor:
@@ -259,7 +298,16 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             )
         if old.requires_grad:
             raise RuntimeError(f"the stored log-probs {key!r} require grad; detach them.")
-        return old.reshape(-1, old.shape[-1])[steps.decision_index, steps.step_index]
+        entries = old.reshape(-1, old.shape[-1])[steps.decision_index, steps.step_index]
+        if self.check_data and not flow.all_finite(entries):
+            bad = ~torch.isfinite(entries)
+            raise ValueError(
+                f"the stored log-probs {key!r} are not finite at {int(bad.sum())} stochastic "
+                f"(decision, step) entries, e.g. {entries[bad][0].item()} at "
+                f"{FlowSDEPolicy._bad_entries(steps, bad, limit=1)}: the data were corrupted "
+                f"(a ratio against them is inf or NaN, and so would be every gradient)."
+            )
+        return entries
 
     def _log_weight(
         self, tensordict: TensorDictBase, adv_shape: torch.Size
@@ -305,6 +353,13 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
                 f"{tuple(advantage.shape)}, expected {expected}: one value per decision "
                 f"(the tensordict's batch shape followed by 1)."
             )
+        if self.check_data and not flow.all_finite(advantage):
+            source = "the value estimator wrote it" if update_norm else "it was in the input"
+            raise ValueError(
+                f"the advantage {self.tensor_keys.advantage!r} is not finite for "
+                f"{int((~torch.isfinite(advantage)).sum())} of {advantage.numel()} decisions "
+                f"({source}): check the rewards, the value estimates and the data."
+            )
         return self._maybe_normalize_advantage(advantage, tensordict, update_norm=update_norm)
 
     def _reduce_steps(self, values: Tensor, sde_mask: Tensor, tensordict: TensorDictBase) -> Tensor:
@@ -343,9 +398,17 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             steps, torch.ones_like(steps.std, dtype=torch.bool), log_weight.shape[:-1]
         )
         shape = sde_mask.shape
-        out = TensorDict(
-            {"loss_objective": self._reduce_steps(-gain[..., 0], sde_mask, tensordict)}
-        )
+        loss_objective = self._reduce_steps(-gain[..., 0], sde_mask, tensordict)
+        if self.check_data and not flow.all_finite(loss_objective):
+            raise ValueError(
+                f"loss_objective is not finite although the stored data are: a ratio or an "
+                f"advantage overflows {loss_objective.dtype} (largest |advantage| "
+                f"{advantage.abs().max().item():.3g}, largest log-ratio "
+                f"{log_weight.max().item():.3g}). Normalise the advantage "
+                f"(normalize_advantage=True), scale the rewards, or check that the data were "
+                f"collected by this policy (log_prob_drift)."
+            )
+        out = TensorDict({"loss_objective": loss_objective})
         if self._has_critic:
             loss_critic, value_clip_fraction, explained_variance = self.loss_critic(tensordict)
             out.set("loss_critic", self._reduce_loss(loss_critic, tensordict).squeeze(-1))
@@ -357,7 +420,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             kl = self._reference_kl(tensordict, steps)
             dense_kl = flow.scatter_steps(steps, kl, shape)
             out.set("loss_kl", self.kl_coeff * self._reduce_steps(dense_kl, sde_mask, tensordict))
-            out.set("kl_reference", kl.detach().mean())
+            out.set("kl_reference", kl.detach().mean() if kl.numel() else kl.new_zeros(()))
         if self.bc_coeff > 0:
             out.set("loss_bc", self.bc_coeff * self._self_imitation(tensordict))
 
@@ -371,20 +434,37 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             out.set("loss_entropy", torch.zeros_like(out["loss_objective"]))
         with torch.no_grad():
             # Diagnostics over the M stochastic entries (row-major), as ClipPPOLoss reports
-            # them over its samples.
+            # them over its samples; with none, the values of unit ratios (not a mean of
+            # nothing, NaN).
             entries, behaviour_entries = log_weight[..., 0][sde_mask], behaviour[..., 0][sde_mask]
             num_entries = entries.numel()
-            clipped_entries = clipped[..., 0][sde_mask]
-            out.set("clip_fraction", (clipped_entries != entries).to(entries.dtype).mean())
-            out.set("kl_approx", kl_approx[..., 0][sde_mask].mean())
-            ess = (2 * behaviour_entries.logsumexp(0) - (2 * behaviour_entries).logsumexp(0)).exp()
-            out.set("ESS", ess / max(num_entries, 1))
-            ratio_entries = behaviour_entries.exp()
-            out.set("mean_ratio", ratio_entries.mean())
-            out.set("max_ratio", ratio_entries.max() if num_entries else ratio_entries.new_ones(()))
-            out.set("entropy", entropy.mean())
-            drift = entries.abs().max() if num_entries else entries.new_zeros(())
-            out.set("log_prob_drift", drift)
+            zero, one = entries.new_zeros(()), entries.new_ones(())
+            if num_entries:
+                clipped_entries = clipped[..., 0][sde_mask]
+                clip_fraction = (clipped_entries != entries).to(entries.dtype).mean()
+                ess = 2 * behaviour_entries.logsumexp(0) - (2 * behaviour_entries).logsumexp(0)
+                ratio_entries = behaviour_entries.exp()
+                diagnostics = {
+                    "clip_fraction": clip_fraction,
+                    "kl_approx": kl_approx[..., 0][sde_mask].mean(),
+                    "ESS": ess.exp() / num_entries,
+                    "mean_ratio": ratio_entries.mean(),
+                    "max_ratio": ratio_entries.max(),
+                    "entropy": entropy.mean(),
+                    "log_prob_drift": entries.abs().max(),
+                }
+            else:
+                diagnostics = {
+                    "clip_fraction": zero,
+                    "kl_approx": zero,
+                    "ESS": one,
+                    "mean_ratio": one,
+                    "max_ratio": one,
+                    "entropy": zero.to(entropy.dtype),
+                    "log_prob_drift": zero,
+                }
+            for name, value in diagnostics.items():
+                out.set(name, value)
             out.set("num_stochastic_steps", torch.tensor(num_entries))
         self._clear_weakrefs(
             tensordict,
