@@ -205,20 +205,61 @@ def task_defaults(
     return {name: {**task.defaults, **extra.get(name, {})} for name, task in TASKS.items()}
 
 
+def resolve_device(name: str) -> torch.device:
+    """The ``--device`` of a run as a :class:`torch.device`, checked up front.
+
+    ``"cuda"`` becomes the current CUDA device with its index (under ``torchrun``, the
+    process's ``LOCAL_RANK`` GPU, which :func:`~torchrl_flowpolicy.distributed.init_distributed`
+    selects), so that collector worker processes use the same GPU as their learner.
+
+    Raises:
+        ValueError: for a name torch does not know, or a device this machine does not have
+            (``--device cuda`` without a CUDA GPU, or a GPU index past the last one).
+    """
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device {name!r} is not a torch device ({error}).") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {name}: this machine has no CUDA GPU that torch can use "
+                "(torch.cuda.is_available() is False); run with --device cpu."
+            )
+        count = torch.cuda.device_count()
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= count:
+            raise ValueError(
+                f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to "
+                f"cuda:{count - 1}."
+            )
+        return device
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:
+        raise ValueError(f"--device {name}: not usable here ({error}).") from None
+    return device
+
+
 def make_task_env(
     config: Any,
     num_envs: int | None,
     executed_chunk_length: int | None = None,
     *,
     count_steps: bool = False,
+    device: torch.device | str | None = None,
 ) -> EnvBase:
     """The environment of ``config.task`` with the config's task settings.
 
     With ``count_steps``, TorchRL's :class:`~torchrl.envs.StepCounter` runs on every
     environment step (before the chunking): a decision's ``("next", "step_count") -
-    "step_count"`` is the number of env steps it executed (:func:`env_steps`).
+    "step_count"`` is the number of env steps it executed (:func:`env_steps`). ``device``
+    is the TorchRL device of the environment: the simulators run on the CPU, and TorchRL
+    moves their tensors there (default: the CPU).
     """
-    env = get_task(config.task).make_env(num_envs, None, **task_options(config))
+    options = task_options(config)
+    env = get_task(config.task).make_env(num_envs, None, device=device, **options)
     if count_steps:
         env.append_transform(StepCounter())
     if executed_chunk_length is None:
@@ -232,12 +273,18 @@ def env_steps(batch: TensorDictBase) -> int:
     return int((batch["next", "step_count"] - batch["step_count"]).sum())
 
 
-def make_eval_env(config: Any, num_episodes: int, executed_chunk_length: int) -> EnvBase:
+def make_eval_env(
+    config: Any,
+    num_episodes: int,
+    executed_chunk_length: int,
+    device: torch.device | str | None = None,
+) -> EnvBase:
     """The chunked task environment for an evaluation of ``num_episodes`` episodes: one
     sub-environment per episode, or the task's ``max_eval_envs`` (the episodes then run in
-    rounds; pass ``num_episodes`` to the evaluation)."""
+    rounds; pass ``num_episodes`` to the evaluation). ``device`` is the evaluated policy's:
+    ``env.rollout`` hands the policy the environment's tensors as they are."""
     num_envs = get_task(config.task).eval_envs(num_episodes)
-    return make_task_env(config, num_envs, executed_chunk_length)
+    return make_task_env(config, num_envs, executed_chunk_length, device=device)
 
 
 def evaluate_task_expert(config: Any, num_episodes: int, seed: int) -> dict[str, Tensor]:
@@ -412,6 +459,7 @@ def held_out_protocol(
     executed_chunk_length: int,
     rl_env: EnvBase | None = None,
     name: str = "RL",
+    device: torch.device | str | None = None,
 ) -> dict[str, Any]:
     """The evaluation protocol on ``config.held_out_episodes`` held-out episodes.
 
@@ -420,11 +468,12 @@ def held_out_protocol(
     :func:`~torchrl_flowpolicy.protocol.protocol_summary` with ``config.reported_decoding``.
     ``rl_env`` is RL's environment with as many sub-environments as :func:`make_eval_env`
     gives (default: the chunked task, as BC's). ``"line"`` holds :func:`~torchrl_flowpolicy.protocol.format_protocol`'s
-    sentence about ``name``. Leaves torch's RNG alone.
+    sentence about ``name``. ``device``: the policies' device (that of BC's environment).
+    Leaves torch's RNG alone.
     """
     seed = split_seed("held_out", config.held_out_episodes)
     max_decisions = decisions_per_episode(config.max_episode_steps, executed_chunk_length)
-    env = make_eval_env(config, config.held_out_episodes, executed_chunk_length)
+    env = make_eval_env(config, config.held_out_episodes, executed_chunk_length, device)
     options = {
         "max_decisions": max_decisions,
         "seed": seed,

@@ -22,7 +22,9 @@ decodings, the expert), noise envs, SAC learner (noise actor, critics, loss, opt
 replay buffer, resume, collector, training loop (collect, ``utd_ratio`` updates per decision,
 log, evaluate, checkpoint), final evaluation, held-out protocol, plot, summary. ``python examples/dsrl.py --help`` lists every option;
 ``--quick`` runs the whole chain in under a minute; ``--resume`` continues a killed run
-(replay buffer included).
+(replay buffer included). ``--device cuda`` puts the frozen policy, the SAC networks, the
+loss, the environments' tensors and the replay buffer on the GPU; the simulators stay on
+the CPU.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from common import (
     parse_config,
     plot_baselines,
     plot_success_band,
+    resolve_device,
     resume_run,
     save_run,
     task_defaults,
@@ -145,6 +148,9 @@ class DSRLConfig(TaskOptions):
     loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
     resume: bool = option(False, "continue from output_dir/checkpoint.pt")
     threads: int = option(1, "torch CPU threads (1 is fastest for these small networks)")
+    device: str = option(
+        "cpu", "torch device of the policies, SAC networks, loss, env tensors and replay buffer"
+    )
     pretrain: pretrain.PretrainConfig = option(
         default_factory=pretrain.PretrainConfig,
         help="behaviour cloning, run when pretrained_checkpoint is missing (with this run's "
@@ -221,7 +227,8 @@ def layer_norm_mlp(in_features: int, out_features: int, config: DSRLConfig) -> M
 def make_actor(
     policy: FlowSDEPolicy, noise_spec: Composite, config: DSRLConfig
 ) -> ProbabilisticActor:
-    """Tanh-Gaussian over the noise box ``[-m, m]^(H x D)``, conditioned on the observation."""
+    """Tanh-Gaussian over the noise box ``[-m, m]^(H x D)``, conditioned on the observation,
+    on the policy's device."""
     chunk_length, action_dim = policy.action_shape
     network = nn.Sequential(
         copy.deepcopy(policy.encoder[0]),  # the pretrained policy's observation normaliser
@@ -236,6 +243,7 @@ def make_actor(
         with torch.no_grad():
             output_layer.weight[is_loc] = 0.0
             output_layer.bias[is_loc] = 0.0
+    network.to(policy.encoder[0].loc.device)
     return ProbabilisticActor(
         TensorDictModule(network, in_keys=["observation"], out_keys=["loc", "scale"]),
         in_keys=["loc", "scale"],
@@ -263,8 +271,10 @@ class NoiseQNetwork(nn.Module):
 
 
 def make_critic(policy: FlowSDEPolicy, config: DSRLConfig) -> ValueOperator:
-    """One critic ``Q(observation, noise)``; ``SACLoss`` makes two with separate weights."""
+    """One critic ``Q(observation, noise)`` on the policy's device; ``SACLoss`` makes two with
+    separate weights."""
     network = NoiseQNetwork(copy.deepcopy(policy.encoder[0]), policy.action_shape.numel(), config)
+    network.to(policy.encoder[0].loc.device)
     return ValueOperator(network, in_keys=["observation", "action"])
 
 
@@ -300,8 +310,9 @@ def make_noise_env(
     policy: FlowSDEPolicy, config: DSRLConfig, num_envs: int, executed_chunk_length: int
 ) -> EnvBase:
     """``num_envs`` chunked task envs whose action is the frozen policy's noise (counting
-    env steps)."""
-    env = make_task_env(config, num_envs, executed_chunk_length, count_steps=True)
+    env steps), their tensors on the policy's device (the simulators run on the CPU)."""
+    device = policy.encoder[0].loc.device
+    env = make_task_env(config, num_envs, executed_chunk_length, count_steps=True, device=device)
     return env.append_transform(NoiseActionTransform(policy, noise_bound=config.noise_bound))
 
 
@@ -517,6 +528,7 @@ def make_collector(
         init_random_frames=random_decisions,
         exploration_type=ExplorationType.RANDOM,
         auto_register_policy_transforms=False,  # the actor is not recurrent
+        device=train_env.device,  # the actor's, the env's tensors' and the batches' device
     )
 
 
@@ -548,14 +560,17 @@ def resume_dsrl_run(path: Path, learner: Learner, replay_buffer: ReplayBuffer) -
     return Progress(**{**saved, "history": json.loads(saved["history"])})
 
 
-def make_replay_buffer(config: DSRLConfig, executed_chunk_length: int) -> ReplayBuffer:
-    """Uniform sampling of ``batch_size`` decisions; by default it holds the whole run."""
+def make_replay_buffer(
+    config: DSRLConfig, executed_chunk_length: int, device: torch.device | str = "cpu"
+) -> ReplayBuffer:
+    """Uniform sampling of ``batch_size`` decisions, stored on ``device``; by default it holds
+    the whole run."""
     decisions_per_batch = config.num_envs * config.decisions_per_batch
     buffer_size = config.buffer_size or (
         config.total_env_steps // executed_chunk_length + decisions_per_batch
     )
     return ReplayBuffer(
-        storage=LazyTensorStorage(buffer_size),
+        storage=LazyTensorStorage(buffer_size, device=device),
         sampler=RandomSampler(),
         batch_size=config.batch_size,
     )
@@ -604,6 +619,7 @@ def write_summary(
 
 
 def main(config: DSRLConfig) -> dict:
+    device = resolve_device(config.device)  # an unavailable device fails here, not later
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)
@@ -617,11 +633,12 @@ def main(config: DSRLConfig) -> dict:
     policy, model_config, pretrained_state = load_policy(
         pretrained, eval_num_steps=config.eval_num_steps
     )
+    policy.to(device)
     executed = model_config.executed_chunk_length
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 
     # Baselines on the curve seeds (BC under both decodings, the expert); the noise envs.
-    bc_env = make_eval_env(config, config.eval_episodes, executed)
+    bc_env = make_eval_env(config, config.eval_episodes, executed, device)
     baselines = curve_baselines(policy, bc_env, max_decisions, config)
     bc_env.close()
     task = get_task(config.task)
@@ -630,7 +647,7 @@ def main(config: DSRLConfig) -> dict:
 
     # Noise actor and SAC learner; a replay buffer that by default holds the whole run.
     actor, learner = make_learner(policy, train_env.full_action_spec_unbatched, config, executed)
-    replay_buffer = make_replay_buffer(config, executed)
+    replay_buffer = make_replay_buffer(config, executed, device)
 
     # Resume: networks, optimisers, buffer, counters, history and RNG state.
     run, run_checkpoint = Progress(), output_dir / "checkpoint.pt"
@@ -684,7 +701,9 @@ def main(config: DSRLConfig) -> dict:
     held_out_env = make_noise_env(
         policy, config, task.eval_envs(config.held_out_episodes), executed
     )
-    held_out = held_out_protocol(policy, actor, config, executed, held_out_env, name="DSRL")
+    held_out = held_out_protocol(
+        policy, actor, config, executed, held_out_env, name="DSRL", device=device
+    )
     held_out_env.close()
     plot_curves(
         run.history, baselines, output_dir / "learning_curve.png", get_task(config.task).title

@@ -10,7 +10,10 @@ seeds (BC and PPO under both decodings, the clean scripted expert, 95 % interval
 
 With ``--collector_workers N`` the rollouts run in ``N`` processes (TorchRL's
 ``MultiSyncCollector``, ``num_envs / N`` environments each, the policy's weights sent to
-them after every update).
+them after every update). With ``--collector_backend ray`` they run in ``N`` Ray actors
+(TorchRL's ``RayCollector``) on a local Ray instance or on the cluster at ``--ray_address``
+(``pip install "torchrl_flowpolicy[ray]"``). ``--device cuda`` puts the policy, the critic,
+the loss, the batches and the replay buffer on the GPU; the simulators stay on the CPU.
 
 Under ``torchrun --nproc_per_node N`` the learner is data-parallel
 (``torchrl_flowpolicy.distributed``): rank ``r`` seeds torch with ``seed + r`` and collects
@@ -34,6 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
 import json
 import time
 from dataclasses import dataclass
@@ -45,10 +49,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from tensordict import TensorDictBase  # noqa: E402
+from tensordict import TensorDict, TensorDictBase  # noqa: E402
 from tensordict.nn import TensorDictModule  # noqa: E402
 from torch import nn  # noqa: E402
 from torchrl.collectors import Collector, MultiSyncCollector  # noqa: E402
+from torchrl.collectors.distributed import RayCollector  # noqa: E402
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement  # noqa: E402
 from torchrl.envs.utils import ExplorationType  # noqa: E402
 from torchrl.objectives import ValueEstimators  # noqa: E402
@@ -83,6 +88,7 @@ from common import (
     parse_config,
     plot_baselines,
     plot_success_band,
+    resolve_device,
     resume_run,
     save_run,
     task_defaults,
@@ -104,6 +110,19 @@ class PPOConfig(TaskOptions):
     num_envs: int = option(16, "training environments (split evenly over the collector workers)")
     collector_workers: int = option(
         1, "collector processes (> 1: TorchRL's MultiSyncCollector, weights synced per update)"
+    )
+    collector_backend: Literal["process", "ray"] = option(
+        "process",
+        "process: collection in this process (1 worker) or in worker processes; ray: "
+        "TorchRL's RayCollector, one Ray actor per worker (needs the ray extra)",
+    )
+    ray_address: str = option(
+        "",
+        "collector_backend=ray: the Ray cluster (empty: RAY_ADDRESS or the cluster started "
+        "on this machine by `ray start`, else a new local Ray instance; auto: an existing one)",
+    )
+    device: str = option(
+        "cpu", "torch device of the policy, critic, loss, batches and replay buffer (cpu, cuda)"
     )
     episodes_per_batch: int = option(1, "episodes per environment per PPO iteration")
     total_env_steps: int = option(1_200_000, "environment steps of fine-tuning")
@@ -229,7 +248,8 @@ def sampler_options(config: PPOConfig) -> dict[str, Any]:
 
 
 def make_critic(policy: FlowSDEPolicy) -> TensorDictModule:
-    """Value network on the observation, normalised with the policy's statistics."""
+    """Value network on the observation, normalised with the policy's statistics, on the
+    policy's device."""
     normalizer = copy.deepcopy(policy.encoder[0])
     network = nn.Sequential(
         normalizer,
@@ -239,7 +259,8 @@ def make_critic(policy: FlowSDEPolicy) -> TensorDictModule:
         nn.Tanh(),
         nn.Linear(256, 1),
     )
-    return TensorDictModule(network, in_keys=["observation"], out_keys=["state_value"])
+    critic = TensorDictModule(network, in_keys=["observation"], out_keys=["state_value"])
+    return critic.to(normalizer.loc.device)
 
 
 @dataclass
@@ -283,6 +304,35 @@ def make_learner(policy: FlowSDEPolicy, config: PPOConfig, executed_chunk_length
     return Learner(policy, critic, loss_module, actor_optimizer, critic_optimizer)
 
 
+def check_config(config: PPOConfig, world_size: int) -> torch.device:
+    """Refuse, before any work, what the run could not do; returns the run's device.
+
+    Raises:
+        ValueError: an unavailable ``--device``; ``num_envs`` not a multiple of
+            ``collector_workers``; the Ray backend under ``torchrun``.
+        ImportError: ``--collector_backend ray`` without ``ray`` installed.
+    """
+    device = resolve_device(config.device)
+    workers = config.collector_workers
+    if workers < 1 or config.num_envs % workers:
+        raise ValueError(
+            f"--num_envs {config.num_envs} must be a positive multiple of --collector_workers "
+            f"{workers} (each worker steps num_envs / collector_workers environments)."
+        )
+    if config.collector_backend == "ray" and world_size > 1:
+        raise ValueError(
+            "--collector_backend ray under torchrun is not supported (one RayCollector per "
+            "learner rank is untested): use one learner process with Ray workers, or torchrun "
+            "with --collector_backend process."
+        )
+    if config.collector_backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ImportError(
+            "--collector_backend ray needs Ray: pip install 'torchrl_flowpolicy[ray]' (or use "
+            "--collector_backend process)."
+        )
+    return device
+
+
 def seeded_env(config: PPOConfig, num_envs: int, executed_chunk_length: int, seed: int):
     """The chunked training env with ``num_envs`` sub-environments, seeded with ``seed``
     (sub-environment ``i`` resets first with ``seed + i``) and counting env steps."""
@@ -297,17 +347,27 @@ def make_collector(
     executed_chunk_length: int,
     decisions_per_batch: int,
     seed: int,
-) -> Collector | MultiSyncCollector:
+    device: torch.device | str = "cpu",
+) -> Collector | MultiSyncCollector | RayCollector:
     """An endless collector of ``decisions_per_batch`` decisions per batch on ``num_envs`` envs.
 
     RANDOM exploration: the Flow-SDE sampler with K = ``num_steps``. With one worker, a
     ``Collector`` in this process; with ``collector_workers = W``, a ``MultiSyncCollector``
+    (or a ``RayCollector`` with ``collector_backend="ray"``, see :func:`make_ray_collector`)
     whose worker ``w`` steps ``num_envs / W`` environments seeded from
     ``seed + w * num_envs / W``: the same initial states as one process, batches
     concatenated along the environment dimension, ``[num_envs, T]`` either way. Each env is
     seeded before the collector's first reset.
+
+    Devices: the policy runs on ``device`` (the policy passed must be there), the simulators
+    on the CPU (``env_device``), and the batches are stored on ``device``.
     """
+    if config.collector_backend == "ray":
+        return make_ray_collector(
+            policy, config, executed_chunk_length, decisions_per_batch, seed, device
+        )
     workers = config.collector_workers
+    devices = {"policy_device": device, "env_device": "cpu", "storing_device": device}
     if workers == 1:
         return Collector(
             seeded_env(config, config.num_envs, executed_chunk_length, seed),
@@ -316,6 +376,7 @@ def make_collector(
             total_frames=-1,
             exploration_type=ExplorationType.RANDOM,
             auto_register_policy_transforms=False,  # not recurrent: no InitTracker needed
+            **devices,
         )
     envs_per_worker = config.num_envs // workers
     return MultiSyncCollector(
@@ -337,6 +398,92 @@ def make_collector(
         cat_results=0,
         num_threads=config.threads,
         num_sub_threads=1,
+        **devices,
+    )
+
+
+def merge_worker_batches(batch: TensorDictBase, device: torch.device | str) -> TensorDictBase:
+    """A ``RayCollector`` batch ``[W, num_envs / W, T]`` (the workers' batches stacked) as
+    ``[num_envs, T]`` on the learner's ``device``."""
+    return batch.flatten(0, 1).to(device)
+
+
+def make_ray_collector(
+    policy: FlowSDEPolicy,
+    config: PPOConfig,
+    executed_chunk_length: int,
+    decisions_per_batch: int,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> RayCollector:
+    """TorchRL's ``RayCollector``: ``collector_workers`` Ray actors, each a ``Collector`` of
+    ``num_envs / W`` environments seeded as in :func:`make_collector`, synchronous (a batch
+    holds every worker's share).
+
+    Ray: joins the cluster at ``ray_address`` (see :class:`PPOConfig`), or starts a local
+    instance, unless this process is connected already. Each actor reserves one CPU (and,
+    with a CUDA ``device``, TorchRL's default GPU share, 0.2, on which its policy runs).
+
+    Weights: the actors receive a CPU copy of ``policy`` (pickled by Ray), then only what
+    ``collector.update_policy_weights_(weights)`` sends (TorchRL's ``RayWeightSyncScheme``:
+    a gloo process group between this process and the actors). This function sends the
+    learner's current weights once, which sets that process group up; the training loop
+    sends them after every update. The actors return CPU batches, moved to ``device`` here.
+    """
+    import ray  # the `ray` extra
+
+    workers = config.collector_workers
+    if not ray.is_initialized():
+        # The actors' output stays in Ray's logs (/tmp/ray/session_latest/logs): their
+        # errors still reach this process, as exceptions.
+        ray.init(address=config.ray_address or None, include_dashboard=False, log_to_driver=False)
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if cpus < workers:  # the actors would wait for CPUs forever
+        raise ValueError(
+            f"--collector_workers {workers} needs {workers} CPUs of the Ray cluster, which "
+            f"has {cpus:g}: use fewer workers or a larger cluster (--ray_address)."
+        )
+    on_gpu = torch.device(device).type == "cuda"
+    envs_per_worker = config.num_envs // workers
+    collector = RayCollector(
+        [
+            functools.partial(
+                seeded_env,
+                config,
+                envs_per_worker,
+                executed_chunk_length,
+                seed + w * envs_per_worker,
+            )
+            for w in range(workers)
+        ],
+        copy.deepcopy(policy).cpu(),
+        frames_per_batch=decisions_per_batch,
+        # RayCollector compares collected frames with total_frames: -1 would end it at once.
+        total_frames=2**62,
+        exploration_type=ExplorationType.RANDOM,
+        collector_class=Collector,
+        collector_kwargs={"auto_register_policy_transforms": False},
+        # "cuda" without an index: each actor's own GPU (Ray sets CUDA_VISIBLE_DEVICES).
+        policy_device="cuda" if on_gpu else "cpu",
+        env_device="cpu",
+        storing_device="cpu",
+        sync=True,
+        remote_configs={"num_cpus": 1, "num_gpus": 0.2 if on_gpu else 0},
+        postproc=functools.partial(merge_worker_batches, device=device),
+    )
+    collector.update_policy_weights_(TensorDict.from_module(policy))
+    return collector
+
+
+def make_replay_buffer(
+    config: PPOConfig, decisions_per_batch: int, device: torch.device | str = "cpu"
+) -> ReplayBuffer:
+    """One batch of decisions on ``device``, served in ``minibatch_size`` minibatches without
+    replacement (one epoch per pass)."""
+    return ReplayBuffer(
+        storage=LazyTensorStorage(decisions_per_batch, device=device),
+        sampler=SamplerWithoutReplacement(),
+        batch_size=config.minibatch_size,
     )
 
 
@@ -502,6 +649,7 @@ def plot_curves(
 
 def main(config: PPOConfig) -> dict:
     rank, world_size = init_distributed()  # (0, 1) unless launched by torchrun
+    device = check_config(config, world_size)  # unavailable device, bad split: fail now
     main_process = rank == 0
     torch.manual_seed(config.seed + rank)
     torch.set_num_threads(config.threads)
@@ -515,13 +663,14 @@ def main(config: PPOConfig) -> dict:
         pretrain.main(pretrain.config_for_run(config))
     barrier()
     policy, model_config, pretrained_state = load_policy(pretrained, **sampler_options(config))
+    policy.to(device)
     bc_policy = copy.deepcopy(policy)  # the pretrained policy, for the held-out protocol
     executed = model_config.executed_chunk_length
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 
     # Evaluation env (curve seeds), the baselines: BC under both decodings, the expert.
     if main_process:
-        eval_env = make_eval_env(config, config.eval_episodes, executed)
+        eval_env = make_eval_env(config, config.eval_episodes, executed, device)
         baselines = curve_baselines(policy, eval_env, max_decisions, config)
 
     # Critic, loss, optimisers; resumed with the counters, history and RNG state if asked.
@@ -543,12 +692,8 @@ def main(config: PPOConfig) -> dict:
     decisions_per_batch = config.num_envs * config.episodes_per_batch * max_decisions
     seed = training_seed(config.seed, iteration, world_size * config.num_envs)
     seed += rank * config.num_envs  # rank r's environments follow those of ranks 0 .. r - 1
-    collector = make_collector(policy, config, executed, decisions_per_batch, seed)
-    replay_buffer = ReplayBuffer(
-        storage=LazyTensorStorage(decisions_per_batch),
-        sampler=SamplerWithoutReplacement(),
-        batch_size=config.minibatch_size,
-    )
+    collector = make_collector(policy, config, executed, decisions_per_batch, seed, device)
+    replay_buffer = make_replay_buffer(config, decisions_per_batch, device)
     if main_process:
         log = MetricLogger(config.loggers, f"ppo_seed{config.seed}", output_dir, config).log
 
@@ -561,6 +706,7 @@ def main(config: PPOConfig) -> dict:
         disable=not main_process,
     )
     batches = iter(collector)
+    policy_weights = TensorDict.from_module(policy)  # a view: always the current weights
     while env_steps < config.total_env_steps:
         collected = time.perf_counter()
         batch = next(batches)
@@ -570,7 +716,7 @@ def main(config: PPOConfig) -> dict:
         env_steps += batch_steps
         train_actor = iteration > config.critic_warmup_iterations
         row = ppo_iteration(learner, batch, replay_buffer, config, train_actor)
-        collector.update_policy_weights_()
+        collector.update_policy_weights_(policy_weights)  # the workers sample with them next
         row["iteration"] = iteration
         row["time/collect_seconds"] = collect_seconds
         row["time/update_seconds"] = time.perf_counter() - collected - collect_seconds
@@ -594,6 +740,10 @@ def main(config: PPOConfig) -> dict:
         progress.update(batch_steps)
     progress.close()
     collector.shutdown()
+    if config.collector_backend == "ray":
+        import ray
+
+        ray.shutdown()  # stops a local Ray instance; a cluster at --ray_address keeps running
     # A multi-process collector's shutdown raises torch's thread count by its worker count.
     torch.set_num_threads(config.threads)
     close_distributed()  # no collective call follows: rank 0 alone finishes the run
@@ -613,7 +763,7 @@ def main(config: PPOConfig) -> dict:
     eval_env.close()
     if not history or history[-1]["env_steps"] != env_steps:
         history.append(evaluation_record(final, env_steps, iteration, start))
-    held_out = held_out_protocol(bc_policy, policy, config, executed, name="PPO")
+    held_out = held_out_protocol(bc_policy, policy, config, executed, name="PPO", device=device)
     plot_curves(history, baselines, output_dir / "learning_curve.png", get_task(config.task).title)
     summary = write_summary(config, baselines, final, history, held_out, pretrained_state, start)
     bc = baselines["BC (sampled)"]

@@ -40,11 +40,11 @@ source .venv/bin/activate
 # install.
 stamp=".venv/.installed-$(cat pyproject.toml "$CONSTRAINTS" scripts/setup_env.sh | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
-    echo "[setup] installing torch==${TORCH_VERSION} and the project with [examples,robosuite,dev,docs] (pins: $CONSTRAINTS)"
+    echo "[setup] installing torch==${TORCH_VERSION} and the project with [examples,robosuite,ray,dev,docs] (pins: $CONSTRAINTS)"
     start=$SECONDS
     python -m pip install --quiet -c "$CONSTRAINTS" torch \
         ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-    python -m pip install --quiet -c "$CONSTRAINTS" -e ".[examples,robosuite,dev,docs]"
+    python -m pip install --quiet -c "$CONSTRAINTS" -e ".[examples,robosuite,ray,dev,docs]"
     rm -f .venv/.installed-*
     touch "$stamp"
     echo "[setup] installed in $((SECONDS - start)) s"

@@ -12,23 +12,31 @@ the call, and the drift is large without it. Given the learner's policy itself o
 the examples do), TorchRL moves its parameters to shared memory: the optimiser's in-place
 steps reach the workers directly, and the call only synchronises. The examples call it after
 every update either way, so they stay correct on any device and scheme.
+
+The device plumbing of ``examples/ppo.py`` (``--device``) is checked on the CPU: the option
+reaches the collector (policy and storing device; the simulators stay on the CPU), the
+replay buffer's storage, the critic and the loss, and an unavailable device is refused
+before any work. The Ray collector has its own file, ``tests/test_ray.py``.
 """
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torchrl.collectors import MultiSyncCollector
 from torchrl.envs.utils import ExplorationType
 from torchrl.weight_update import MultiProcessWeightSyncScheme
 
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.envs import make_pusher_env
-from torchrl_flowpolicy.networks import MLPVelocityNetwork
+from torchrl_flowpolicy.networks import MLPVelocityNetwork, ObservationNormalizer
 
 CHUNK_LENGTH, ACTION_DIM, EXECUTED = 4, 7, 2
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def make_policy() -> FlowSDEPolicy:
@@ -108,3 +116,139 @@ def test_workers_given_the_policy_share_its_memory_on_cpu():
     drifts = run_collector(policy, sync=True, policy=policy)
     assert all(parameter.is_shared() for parameter in policy.parameters())
     assert max(drifts) < 1e-4, drifts
+
+
+# ----------------------------------------------------------------------------- the PPO example
+@pytest.fixture
+def ppo(monkeypatch):
+    """``examples/ppo.py`` (the examples import each other as the scripts do)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import ppo
+
+    return ppo
+
+
+def example_policy() -> FlowSDEPolicy:
+    """A small policy of the examples' architecture (its critic copies the normaliser)."""
+    from common import ModelConfig, build_policy
+
+    torch.manual_seed(0)
+    model_config = ModelConfig(
+        chunk_length=CHUNK_LENGTH, executed_chunk_length=EXECUTED, model_dim=16, num_layers=1
+    )
+    normalizer = ObservationNormalizer(torch.zeros(23), torch.ones(23))
+    return build_policy(model_config, normalizer, num_steps=4, sde_mode="all")
+
+
+def leaf_devices(tensordict) -> set[torch.device]:
+    return {leaf.device for leaf in tensordict.values(include_nested=True, leaves_only=True)}
+
+
+def test_ppo_device_option_defaults_to_the_cpu(ppo):
+    assert ppo.parse_args([]).device == "cpu"
+    assert ppo.parse_args(["--device", "cuda:1"]).device == "cuda:1"
+    assert ppo.check_config(ppo.PPOConfig(), world_size=1) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:99"])
+def test_ppo_refuses_an_unavailable_device_up_front(ppo, name):
+    if name == "cuda:99" and torch.cuda.device_count() > 99:
+        pytest.skip("this machine has 100 GPUs")
+    with pytest.raises(ValueError, match="--device"):
+        ppo.check_config(ppo.PPOConfig(device=name), world_size=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_ppo_device_cuda_without_a_gpu_says_so(ppo):
+    with pytest.raises(ValueError, match="no CUDA GPU.*--device cpu"):
+        ppo.check_config(ppo.PPOConfig(device="cuda"), world_size=1)
+
+
+def test_ppo_refuses_what_the_collectors_cannot_do(ppo, monkeypatch):
+    with pytest.raises(ValueError, match="multiple of --collector_workers"):
+        ppo.check_config(ppo.PPOConfig(num_envs=5, collector_workers=2), world_size=1)
+    ray_config = ppo.PPOConfig(collector_backend="ray")
+    with pytest.raises(ValueError, match="under torchrun"):
+        ppo.check_config(ray_config, world_size=2)
+    monkeypatch.setattr(ppo.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"torchrl_flowpolicy\[ray\]"):
+        ppo.check_config(ray_config, world_size=1)
+
+
+def test_ppo_collector_buffer_and_loss_on_the_configured_device(ppo):
+    # What --device places: the collector's policy and stored batches, the replay buffer's
+    # storage, the critic and every loss output. The simulators stay on the CPU.
+    device = ppo.check_config(ppo.PPOConfig(), world_size=1)
+    config = ppo.PPOConfig(num_envs=2, max_episode_steps=6, minibatch_size=3)
+    policy = example_policy().to(device)
+    collector = ppo.make_collector(policy, config, EXECUTED, 6, seed=0, device=device)
+    try:
+        assert collector.policy_device == device and collector.storing_device == device
+        assert collector.env_device == torch.device("cpu")
+        batch = next(iter(collector))
+    finally:
+        collector.shutdown()
+    assert leaf_devices(batch) == {device}
+    learner = ppo.make_learner(policy, config, EXECUTED)
+    assert {parameter.device for parameter in learner.critic.parameters()} == {device}
+    replay_buffer = ppo.make_replay_buffer(config, 6, device)
+    row = ppo.ppo_iteration(learner, batch, replay_buffer, config, train_actor=True)
+    assert replay_buffer.storage.device == device
+    assert leaf_devices(replay_buffer.sample()) == {device}
+    assert leaf_devices(learner.loss_module(replay_buffer.sample())) == {device}
+    assert all(torch.isfinite(torch.tensor(value)) for value in row.values())
+
+
+@pytest.mark.slow
+def test_ppo_worker_processes_follow_the_learner_weights_the_example_sends(ppo):
+    # examples/ppo.py --collector_workers 2: the learner's policy handed to a
+    # MultiSyncCollector, devices given, the weights sent as a TensorDict after each update.
+    torch.set_num_threads(1)
+    config = ppo.PPOConfig(num_envs=4, collector_workers=2, max_episode_steps=6, threads=1)
+    policy = example_policy()
+    collector = ppo.make_collector(policy, config, EXECUTED, 12, seed=0, device="cpu")
+    weights = TensorDict.from_module(policy)
+    drifts = []
+    try:
+        batches = iter(collector)
+        for _ in range(3):
+            batch = next(batches)
+            assert batch.batch_size == (4, 3)
+            drifts.append(rescoring_drift(policy, batch))
+            update(policy)
+            collector.update_policy_weights_(weights)
+    finally:
+        collector.shutdown()
+    assert max(drifts) < 1e-4, drifts
+
+
+@pytest.mark.parametrize("script", ["ppo", "dsrl"])
+def test_examples_refuse_an_unavailable_device_before_any_work(script, tmp_path, monkeypatch):
+    # Before the pretraining, the environments or the output folder: nothing is made.
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    module = __import__(script)
+    output = tmp_path / "run"
+    config = module.parse_args(
+        ["--device", "cuda:99", "--output_dir", str(output), "--pretrained_checkpoint", "none.pt"]
+    )
+    if torch.cuda.device_count() > 99:
+        pytest.skip("this machine has 100 GPUs")
+    with pytest.raises(ValueError, match="--device cuda:99"):
+        module.main(config)
+    assert not output.exists()
+
+
+def test_dsrl_replay_buffer_and_networks_on_the_policy_device(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import dsrl
+
+    config = dsrl.parse_args(["--quick"])
+    device = torch.device("cpu")
+    policy = example_policy().to(device)
+    noise_env = dsrl.make_noise_env(policy, config, 2, EXECUTED)
+    actor, learner = dsrl.make_learner(policy, noise_env.full_action_spec_unbatched, config, 2)
+    assert noise_env.device == device
+    assert {leaf.device for leaf in learner.loss_module.parameters()} == {device}
+    assert {leaf.device for leaf in actor.parameters()} == {device}
+    assert dsrl.make_replay_buffer(config, EXECUTED, device).storage.device == device
+    noise_env.close()
