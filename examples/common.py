@@ -11,7 +11,9 @@ into an ``argparse`` parser: ``--name`` per field (underscores, as in the field)
 the allowed values of a ``Literal`` type as choices, ``--name A B`` for a ``list``; a field
 without a default is a required option. ``--help`` prints every field's help text and
 default. A script that passes ``quick=`` also gets ``--quick``: its values replace
-the defaults, and options typed on the command line win over them.
+the defaults, and options typed on the command line win over them. A number's bounds
+(``option(..., minimum=1)``) are checked on the resulting config, before any work: a value
+out of bounds exits with argparse's error naming the option.
 
 Why this small builder rather than ``tyro``: tyro would read the same dataclasses, but
 adds a dependency whose defaults (kebab-case flags, its own boolean and nested-option
@@ -60,13 +62,67 @@ Config = TypeVar("Config")
 
 
 # ----------------------------------------------------------------------------- command line
-def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING) -> Any:
-    """A config field: its default (or ``default_factory``) and the line ``--help`` prints."""
+def option(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    default_factory: Any = MISSING,
+    minimum: float | None = None,
+    above: float | None = None,
+    maximum: float | None = None,
+) -> Any:
+    """A config field: its default (or ``default_factory``), the line ``--help`` prints and
+    the bounds of a number (``minimum <= value``, ``above < value``, ``value <= maximum``),
+    which :func:`validate_config` checks."""
     if not help:
         raise ValueError("every option needs a help text.")
+    bounds = {"minimum": minimum, "above": above, "maximum": maximum}
     return dataclasses.field(
-        default=default, default_factory=default_factory, metadata={"help": help}
+        default=default,
+        default_factory=default_factory,
+        metadata={
+            "help": help,
+            **{name: value for name, value in bounds.items() if value is not None},
+        },
     )
+
+
+def config_errors(config: Any, prefix: str = "") -> list[str]:
+    """What is wrong with ``config``'s numbers: one line per value outside the bounds of its
+    :func:`option`, naming the option as the command line spells it (nested dataclasses
+    too). NaN is outside any bound."""
+    errors = []
+    for item in dataclasses.fields(config):
+        name, value = f"{prefix}{item.name}", getattr(config, item.name)
+        if dataclasses.is_dataclass(value):
+            errors += config_errors(value, f"{name}.")
+            continue
+        expected = []
+        if "minimum" in item.metadata and not value >= item.metadata["minimum"]:
+            expected.append(f">= {item.metadata['minimum']}")
+        if "above" in item.metadata and not value > item.metadata["above"]:
+            expected.append(f"> {item.metadata['above']}")
+        if "maximum" in item.metadata and not value <= item.metadata["maximum"]:
+            expected.append(f"<= {item.metadata['maximum']}")
+        if expected:
+            errors.append(
+                f"--{name} {value}: must be {' and '.join(expected)} ({item.metadata['help']})"
+            )
+    return errors
+
+
+def validate_config(config: Any) -> None:
+    """Refuse a config with a number outside the bounds of its :func:`option`.
+
+    :func:`parse_config` calls it on every parsed config (after the task's and ``--quick``'s
+    defaults); the scripts' ``main`` calls it too, for configs built in code.
+
+    Raises:
+        ValueError: one line per option out of bounds, naming it and its bounds.
+    """
+    errors = config_errors(config)
+    if errors:
+        raise ValueError("invalid options:\n  " + "\n  ".join(errors))
 
 
 def _add_options(
@@ -166,6 +222,9 @@ def parse_config(
         for parent in parents:
             target = getattr(target, parent)
         setattr(target, leaf, value)
+    errors = config_errors(config)
+    if errors:  # argparse's way: usage, the errors, exit status 2
+        parser.error("\n  ".join(["invalid options:", *errors]))
     return config
 
 
@@ -177,9 +236,9 @@ class TaskOptions:
     task: Literal["pusher", "lift", "can"] = option(
         "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift, robosuite PickPlaceCan"
     )
-    max_episode_steps: int = option(150, "horizon (env steps)")
+    max_episode_steps: int = option(150, "horizon (env steps)", minimum=1)
     success_threshold: float = option(
-        0.05, "pusher: final object-goal distance that counts as success, m"
+        0.05, "pusher: final object-goal distance that counts as success, m", above=0
     )
     reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
         "progress",
@@ -301,15 +360,19 @@ def decisions_per_episode(max_episode_steps: int, executed_chunk_length: int) ->
 class ModelConfig:
     """The flow policy's architecture (saved with every checkpoint)."""
 
-    chunk_length: int = option(8, "H: rows predicted per decision")
-    executed_chunk_length: int = option(4, "H': rows executed per decision (closed-loop pushing)")
-    model_dim: int = option(64, "token width of the action expert and the context")
-    num_heads: int = option(4, "attention heads")
-    num_layers: int = option(2, "decoder layers of the action expert")
-    num_context_tokens: int = option(4, "context tokens computed once per decision")
+    chunk_length: int = option(8, "H: rows predicted per decision", minimum=1)
+    executed_chunk_length: int = option(
+        4, "H': rows executed per decision (closed-loop pushing)", minimum=1
+    )
+    model_dim: int = option(64, "token width of the action expert and the context", minimum=1)
+    num_heads: int = option(4, "attention heads", minimum=1)
+    num_layers: int = option(2, "decoder layers of the action expert", minimum=1)
+    num_context_tokens: int = option(4, "context tokens computed once per decision", minimum=1)
     # Set from the task by the pretraining (not command-line options).
-    observation_dim: int = option(23, "size of the task's observation (set from the task)")
-    action_dim: int = option(7, "size of one action (set from the task)")
+    observation_dim: int = option(
+        23, "size of the task's observation (set from the task)", minimum=1
+    )
+    action_dim: int = option(7, "size of one action (set from the task)", minimum=1)
 
 
 # The ModelConfig fields that come from the task, not from the command line.
@@ -377,13 +440,70 @@ def save_run(path: Path, trained: Mapping[str, Any], **progress: Any) -> None:
     save_checkpoint({**states, **progress, "rng_state": torch.get_rng_state()}, path)
 
 
-def resume_run(path: Path, trained: Mapping[str, Any]) -> dict[str, Any]:
-    """Load a :func:`save_run` checkpoint into ``trained`` and restore the torch RNG state.
+def require_run_checkpoint(path: Path) -> None:
+    """Refuse ``--resume`` without a run checkpoint at ``path`` (called before any work).
+
+    Raises:
+        FileNotFoundError: naming ``path`` and how to start a new run instead.
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"--resume: no run checkpoint at {path} (output_dir/checkpoint.pt) to resume from; "
+            "drop --resume to start a new run, or pass the --output_dir of the run to resume."
+        )
+
+
+def _mismatches(saved: Any, expected: Any, name: str) -> list[str]:
+    """``name: saved X, this run Y`` for every leaf of ``expected`` that ``saved`` differs in
+    (nested dicts compared field by field)."""
+    if isinstance(saved, Mapping) and isinstance(expected, Mapping):
+        return [
+            line
+            for key, value in expected.items()
+            for line in _mismatches(saved.get(key), value, f"{name}.{key}")
+        ]
+    return [] if saved == expected else [f"{name}: saved {saved!r}, this run {expected!r}"]
+
+
+def load_run(path: Path, expected: Mapping[str, Any]) -> dict[str, Any]:
+    """Load a :func:`save_run` checkpoint for ``--resume``, refusing that of another run.
+
+    ``expected`` maps checkpoint entries (``"task"``, ``"model_config"``: a dict compared
+    field by field) to this run's values; an entry the checkpoint does not hold (one saved
+    before it was recorded) is not compared.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path`` (:func:`require_run_checkpoint`).
+        ValueError: ``"checkpoint at PATH is corrupt"`` (:func:`~torchrl_flowpolicy.checkpoint.load_checkpoint`),
+            or a checkpoint saved with another task or architecture, naming each field that
+            differs.
+    """
+    require_run_checkpoint(path)
+    state = load_checkpoint(path)
+    differences = [
+        line
+        for key, value in expected.items()
+        if key in state
+        for line in _mismatches(state[key], value, key)
+    ]
+    if differences:
+        raise ValueError(
+            f"--resume: the checkpoint at {path} was saved by another run:\n  "
+            + "\n  ".join(differences)
+            + "\nresume with the settings (and pretrained checkpoint) it was saved with, or "
+            "drop --resume and choose another --output_dir to start a new run."
+        )
+    return state
+
+
+def resume_run(checkpoint: Path | Mapping[str, Any], trained: Mapping[str, Any]) -> dict[str, Any]:
+    """Load a :func:`save_run` checkpoint (a path, or what :func:`load_run` returned) into
+    ``trained`` and restore the torch RNG state.
 
     Returns:
         The ``progress`` values that :func:`save_run` was given.
     """
-    state = load_checkpoint(path)
+    state = dict(checkpoint) if isinstance(checkpoint, Mapping) else load_checkpoint(checkpoint)
     for name, item in trained.items():
         item.load_state_dict(state.pop(name))
     torch.set_rng_state(state.pop("rng_state"))

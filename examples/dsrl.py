@@ -75,16 +75,19 @@ from common import (
     decisions_per_episode,
     held_out_protocol,
     load_policy,
+    load_run,
     make_eval_env,
     make_task_env,
     option,
     parse_config,
     plot_baselines,
     plot_success_band,
+    require_run_checkpoint,
     resolve_device,
     resume_run,
     save_run,
     task_defaults,
+    validate_config,
 )
 from common import (
     env_steps as count_env_steps,
@@ -95,59 +98,81 @@ from common import (
 class DSRLConfig(TaskOptions):
     """DSRL (SAC on the noise) settings; every field is a command-line option."""
 
-    seed: int = option(0, "seeds torch, the environments and the pretraining when it runs")
+    seed: int = option(
+        0, "seeds torch, the environments and the pretraining when it runs", minimum=0
+    )
     output_dir: str = option("outputs/dsrl", "checkpoints, logs, plot and summary")
     pretrained_checkpoint: str = option(
         "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
     )
-    num_envs: int = option(16, "environments stepped in the collector's process")
-    decisions_per_batch: int = option(2, "decisions per environment between two rounds of updates")
-    total_env_steps: int = option(300_000, "environment steps of fine-tuning")
-    random_env_steps: int = option(
-        5_000, "first env steps act with uniform noise (no updates before)"
+    num_envs: int = option(16, "environments stepped in the collector's process", minimum=1)
+    decisions_per_batch: int = option(
+        2, "decisions per environment between two rounds of updates", minimum=1
     )
-    eval_num_steps: int = option(20, "K of the decoding ODE (training, evaluation and BC)")
+    total_env_steps: int = option(300_000, "environment steps of fine-tuning", minimum=1)
+    random_env_steps: int = option(
+        5_000, "first env steps act with uniform noise (no updates before)", minimum=0
+    )
+    eval_num_steps: int = option(
+        20, "K of the decoding ODE (training, evaluation and BC)", minimum=1
+    )
     # DSRL noise space and SAC.
-    noise_bound: float = option(0.3, "m: the noise action lies in [-m, m]^(H x D) (DSRL: 1.5)")
-    utd_ratio: float = option(0.25, "gradient updates per collected decision (DSRL goes up to 20)")
-    batch_size: int = option(256, "decisions per update")
-    buffer_size: int = option(0, "replay capacity in decisions (0: every decision of the run)")
-    hidden_dim: int = option(256, "width of the actor's and critics' LayerNorm MLPs")
-    num_layers: int = option(3, "hidden layers of the actor and of each critic")
-    actor_learning_rate: float = option(1e-4, "Adam on the noise actor")
-    critic_learning_rate: float = option(3e-4, "Adam on the two critics")
-    alpha_learning_rate: float = option(3e-4, "Adam on log(alpha), the entropy temperature")
-    alpha_init: float = option(0.01, "initial entropy temperature (the noise has H * D = 56 dims)")
+    noise_bound: float = option(
+        0.3, "m: the noise action lies in [-m, m]^(H x D) (DSRL: 1.5)", above=0
+    )
+    utd_ratio: float = option(
+        0.25, "gradient updates per collected decision (DSRL goes up to 20)", above=0
+    )
+    batch_size: int = option(256, "decisions per update", minimum=1)
+    buffer_size: int = option(
+        0, "replay capacity in decisions (0: every decision of the run)", minimum=0
+    )
+    hidden_dim: int = option(256, "width of the actor's and critics' LayerNorm MLPs", minimum=1)
+    num_layers: int = option(3, "hidden layers of the actor and of each critic", minimum=0)
+    actor_learning_rate: float = option(1e-4, "Adam on the noise actor", above=0)
+    critic_learning_rate: float = option(3e-4, "Adam on the two critics", above=0)
+    alpha_learning_rate: float = option(
+        3e-4, "Adam on log(alpha), the entropy temperature", above=0
+    )
+    alpha_init: float = option(
+        0.01, "initial entropy temperature (the noise has H * D = 56 dims)", above=0
+    )
     zero_mean_init: bool = option(True, "start the actor's mean at x_0 = 0 (the noise-free chunk)")
     critic_warmup_updates: int = option(
-        2_000, "first updates train the critics only (actor and alpha wait)"
+        2_000, "first updates train the critics only (actor and alpha wait)", minimum=0
     )
     target_entropy_per_dim: float = option(
         float("nan"),
         "SAC target entropy per noise dimension; nan: log(m) - 1, SAC's -1 of the box "
         "[-1, 1] carried to [-m, m] (must stay below log(2m), the uniform noise's entropy)",
     )
-    gamma: float = option(0.99, "discount per env step; per decision: gamma ** executed rows")
-    tau: float = option(0.005, "Polyak rate of the target critics")
+    gamma: float = option(
+        0.99, "discount per env step; per decision: gamma ** executed rows", minimum=0, maximum=1
+    )
+    tau: float = option(0.005, "Polyak rate of the target critics", above=0, maximum=1)
     reward_scale: float = option(
-        10.0, "multiplies the summed chunk reward (about 0.1 per decision)"
+        10.0, "multiplies the summed chunk reward (about 0.1 per decision)", above=0
     )
     # Evaluation, logging, checkpoints.
-    eval_every_env_steps: int = option(20_000, "env steps between deterministic evaluations")
-    eval_episodes: int = option(50, "learning-curve episodes (curve seeds 10000+, as BC's)")
+    eval_every_env_steps: int = option(
+        20_000, "env steps between deterministic evaluations", minimum=1
+    )
+    eval_episodes: int = option(
+        50, "learning-curve episodes (curve seeds 10000+, as BC's)", minimum=1
+    )
     held_out_episodes: int = option(
-        200, "final protocol episodes (held-out seeds 30000+: used by nothing else)"
+        200, "final protocol episodes (held-out seeds 30000+: used by nothing else)", minimum=1
     )
     reported_decoding: Literal["sampled", "noise_free"] = option(
         "noise_free",
         "DSRL's decoding reported on the held-out states: the actor's mean noise (noise_free, "
         "DSRL's deterministic policy) or sampled noise; fixed before looking at held-out numbers",
     )
-    log_every_env_steps: int = option(2_000, "env steps between logged training metrics")
-    checkpoint_every_env_steps: int = option(20_000, "env steps between checkpoints")
+    log_every_env_steps: int = option(2_000, "env steps between logged training metrics", minimum=1)
+    checkpoint_every_env_steps: int = option(20_000, "env steps between checkpoints", minimum=1)
     loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
     resume: bool = option(False, "continue from output_dir/checkpoint.pt")
-    threads: int = option(1, "torch CPU threads (1 is fastest for these small networks)")
+    threads: int = option(1, "torch CPU threads (1 is fastest for these small networks)", minimum=1)
     device: str = option(
         "cpu", "torch device of the policies, SAC networks, loss, env tensors and replay buffer"
     )
@@ -537,9 +562,10 @@ def save_dsrl_run(
     learner: Learner,
     replay_buffer: ReplayBuffer,
     run: Progress,
-    model_config: ModelConfig,
+    identity: dict[str, Any],
 ) -> None:
-    """The run checkpoint ``--resume`` reads: learner, stored decisions, counters."""
+    """The run checkpoint ``--resume`` reads: learner, stored decisions, counters and the
+    run's :func:`run_identity` (task, pretrained architecture, SAC networks)."""
     save_run(
         path,
         learner.trained(),
@@ -547,16 +573,30 @@ def save_dsrl_run(
         replay_buffer=replay_buffer[: len(replay_buffer)].to_dict(),
         buffer_length=len(replay_buffer),
         **{**dataclasses.asdict(run), "history": json.dumps(run.history)},
-        model_config=dataclasses.asdict(model_config),
+        **identity,
     )
 
 
-def resume_dsrl_run(path: Path, learner: Learner, replay_buffer: ReplayBuffer) -> Progress:
-    """Load a :func:`save_dsrl_run` checkpoint (RNG state included); returns the counters."""
-    saved = resume_run(path, learner.trained())
+def run_identity(config: DSRLConfig, model_config: ModelConfig) -> dict[str, Any]:
+    """What a resumed checkpoint must share with this run: the task, the architecture
+    (chunking included) of the pretrained policy and the sizes of the SAC networks."""
+    return {
+        "task": config.task,
+        "model_config": dataclasses.asdict(model_config),
+        "networks": {"hidden_dim": config.hidden_dim, "num_layers": config.num_layers},
+    }
+
+
+def resume_dsrl_run(
+    saved: dict[str, Any], learner: Learner, replay_buffer: ReplayBuffer
+) -> Progress:
+    """Load a :func:`save_dsrl_run` checkpoint, as :func:`common.load_run` returned it, into
+    ``learner`` and ``replay_buffer`` (RNG state included); returns the counters."""
+    saved = resume_run(saved, learner.trained())
     stored, length = saved.pop("replay_buffer"), saved.pop("buffer_length")
     replay_buffer.extend(TensorDict(stored, batch_size=[length]))
-    del saved["model_config"]
+    for name in ("task", "model_config", "networks"):
+        saved.pop(name, None)
     return Progress(**{**saved, "history": json.loads(saved["history"])})
 
 
@@ -619,7 +659,11 @@ def write_summary(
 
 
 def main(config: DSRLConfig) -> dict:
+    validate_config(config)  # a number out of bounds fails here, before any work
     device = resolve_device(config.device)  # an unavailable device fails here, not later
+    run_checkpoint = Path(config.output_dir) / "checkpoint.pt"
+    if config.resume:
+        require_run_checkpoint(run_checkpoint)
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)
@@ -634,6 +678,9 @@ def main(config: DSRLConfig) -> dict:
         pretrained, eval_num_steps=config.eval_num_steps
     )
     policy.to(device)
+    # --resume: the run checkpoint, refused now if corrupt or of another task or architecture.
+    identity = run_identity(config, model_config)
+    saved = load_run(run_checkpoint, identity) if config.resume else None
     executed = model_config.executed_chunk_length
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 
@@ -650,9 +697,10 @@ def main(config: DSRLConfig) -> dict:
     replay_buffer = make_replay_buffer(config, executed, device)
 
     # Resume: networks, optimisers, buffer, counters, history and RNG state.
-    run, run_checkpoint = Progress(), output_dir / "checkpoint.pt"
-    if config.resume and run_checkpoint.is_file():
-        run = resume_dsrl_run(run_checkpoint, learner, replay_buffer)
+    run = Progress()
+    if saved is not None:
+        run = resume_dsrl_run(saved, learner, replay_buffer)
+        del saved  # the stored decisions now live in the replay buffer
         print(f"resumed from iteration {run.iteration} ({run.env_steps} env steps)")
 
     # Collector, logger, evaluation.
@@ -685,7 +733,7 @@ def main(config: DSRLConfig) -> dict:
         if run.env_steps >= next_checkpoint:
             next_checkpoint += config.checkpoint_every_env_steps
             run.wall_seconds = time.perf_counter() - training_start
-            save_dsrl_run(run_checkpoint, learner, replay_buffer, run, model_config)
+            save_dsrl_run(run_checkpoint, learner, replay_buffer, run, identity)
         progress.update(run.env_steps - env_steps_before)
         collect_start = time.perf_counter()
     progress.close()
@@ -696,7 +744,7 @@ def main(config: DSRLConfig) -> dict:
     if not run.history or run.history[-1]["env_steps"] != run.env_steps:
         evaluate(run, time.perf_counter() - training_start)
     run.wall_seconds = time.perf_counter() - training_start
-    save_dsrl_run(run_checkpoint, learner, replay_buffer, run, model_config)
+    save_dsrl_run(run_checkpoint, learner, replay_buffer, run, identity)
     eval_env.close()
     held_out_env = make_noise_env(
         policy, config, task.eval_envs(config.held_out_episodes), executed

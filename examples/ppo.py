@@ -82,16 +82,19 @@ from common import (
     decisions_per_episode,
     held_out_protocol,
     load_policy,
+    load_run,
     make_eval_env,
     make_task_env,
     option,
     parse_config,
     plot_baselines,
     plot_success_band,
+    require_run_checkpoint,
     resolve_device,
     resume_run,
     save_run,
     task_defaults,
+    validate_config,
 )
 from common import (
     env_steps as count_env_steps,
@@ -102,14 +105,20 @@ from common import (
 class PPOConfig(TaskOptions):
     """PPO fine-tuning settings; every field is a command-line option."""
 
-    seed: int = option(0, "seeds torch, the environments and the pretraining when it runs")
+    seed: int = option(
+        0, "seeds torch, the environments and the pretraining when it runs", minimum=0
+    )
     output_dir: str = option("outputs/ppo", "checkpoints, logs, plot and summary")
     pretrained_checkpoint: str = option(
         "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
     )
-    num_envs: int = option(16, "training environments (split evenly over the collector workers)")
+    num_envs: int = option(
+        16, "training environments (split evenly over the collector workers)", minimum=1
+    )
     collector_workers: int = option(
-        1, "collector processes (> 1: TorchRL's MultiSyncCollector, weights synced per update)"
+        1,
+        "collector processes (> 1: TorchRL's MultiSyncCollector, weights synced per update)",
+        minimum=1,
     )
     collector_backend: Literal["process", "ray"] = option(
         "process",
@@ -124,51 +133,60 @@ class PPOConfig(TaskOptions):
     device: str = option(
         "cpu", "torch device of the policy, critic, loss, batches and replay buffer (cpu, cuda)"
     )
-    episodes_per_batch: int = option(1, "episodes per environment per PPO iteration")
-    total_env_steps: int = option(1_200_000, "environment steps of fine-tuning")
+    episodes_per_batch: int = option(1, "episodes per environment per PPO iteration", minimum=1)
+    total_env_steps: int = option(1_200_000, "environment steps of fine-tuning", minimum=1)
     # Flow-SDE sampler (rollouts) and the evaluation ODE.
-    noise_level: float = option(0.5, "a: exploration noise of the Flow-SDE step")
+    noise_level: float = option(0.5, "a: exploration noise of the Flow-SDE step", minimum=0)
     rollout_noise_scale: float = option(
         1.0,
         "std of the rollouts' x_0 (0: chains start at x_0 = 0, exploration from the stochastic "
         "steps alone); the learning curve decodes with the same x_0 std",
+        minimum=0,
     )
-    num_steps: int = option(8, "K: denoising steps of rollouts and of the learner")
-    eval_num_steps: int = option(20, "K of the deterministic evaluation ODE")
+    num_steps: int = option(8, "K: denoising steps of rollouts and of the learner", minimum=1)
+    eval_num_steps: int = option(20, "K of the deterministic evaluation ODE", minimum=1)
     sde_mode: Literal["mixed", "last", "all"] = option(
         "last", "stochastic steps: one random step (mixed), the last num_sde_steps, all"
     )
-    num_sde_steps: int = option(4, "stochastic steps for sde_mode=last")
+    num_sde_steps: int = option(4, "stochastic steps for sde_mode=last", minimum=0)
     # PPO.
-    epochs: int = option(4, "passes over each batch")
-    minibatch_size: int = option(304, "decisions per minibatch")
-    actor_learning_rate: float = option(3e-5, "Adam on the flow policy")
-    critic_learning_rate: float = option(1e-3, "Adam on the value network")
-    clip_epsilon_low: float = option(0.2, "ratio clip below 1")
-    clip_epsilon_high: float = option(0.28, "ratio clip above 1 (clip-higher)")
-    kl_coeff: float = option(0.0, "KL to the pretrained policy (0: off)")
-    bc_coeff: float = option(0.1, "self-imitation: flow matching on successful episodes (0: off)")
-    gamma: float = option(0.99, "discount per env step; per decision: gamma ** executed rows")
-    gae_lambda: float = option(0.95, "GAE lambda over decisions")
-    reward_scale: float = option(0.1, "multiplies the summed chunk reward")
-    max_grad_norm: float = option(1.0, "gradient clipping")
-    critic_warmup_iterations: int = option(3, "first iterations train only the critic")
+    epochs: int = option(4, "passes over each batch", minimum=1)
+    minibatch_size: int = option(304, "decisions per minibatch", minimum=1)
+    actor_learning_rate: float = option(3e-5, "Adam on the flow policy", above=0)
+    critic_learning_rate: float = option(1e-3, "Adam on the value network", above=0)
+    clip_epsilon_low: float = option(0.2, "ratio clip below 1", above=0, maximum=1)
+    clip_epsilon_high: float = option(0.28, "ratio clip above 1 (clip-higher)", above=0)
+    kl_coeff: float = option(0.0, "KL to the pretrained policy (0: off)", minimum=0)
+    bc_coeff: float = option(
+        0.1, "self-imitation: flow matching on successful episodes (0: off)", minimum=0
+    )
+    gamma: float = option(
+        0.99, "discount per env step; per decision: gamma ** executed rows", minimum=0, maximum=1
+    )
+    gae_lambda: float = option(0.95, "GAE lambda over decisions", minimum=0, maximum=1)
+    reward_scale: float = option(0.1, "multiplies the summed chunk reward", above=0)
+    max_grad_norm: float = option(1.0, "gradient clipping", above=0)
+    critic_warmup_iterations: int = option(3, "first iterations train only the critic", minimum=0)
     # Evaluation, logging, checkpoints.
-    eval_every: int = option(20, "iterations between deterministic evaluations")
-    eval_episodes: int = option(50, "learning-curve episodes (curve seeds 10000+, as BC's)")
+    eval_every: int = option(20, "iterations between deterministic evaluations", minimum=1)
+    eval_episodes: int = option(
+        50, "learning-curve episodes (curve seeds 10000+, as BC's)", minimum=1
+    )
     held_out_episodes: int = option(
-        200, "final protocol episodes (held-out seeds 30000+: used by nothing else)"
+        200, "final protocol episodes (held-out seeds 30000+: used by nothing else)", minimum=1
     )
     reported_decoding: Literal["sampled", "noise_free"] = option(
         "noise_free",
         "PPO's decoding reported on the held-out states (chosen on validation states, "
         "before looking at held-out numbers)",
     )
-    checkpoint_every: int = option(20, "iterations between checkpoints")
+    checkpoint_every: int = option(20, "iterations between checkpoints", minimum=1)
     loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
     resume: bool = option(False, "continue from output_dir/checkpoint.pt")
     threads: int = option(
-        2, "torch CPU threads (2 on 2 cores: updates 1.8x faster than 1; rollouts the same)"
+        2,
+        "torch CPU threads (2 on 2 cores: updates 1.8x faster than 1; rollouts the same)",
+        minimum=1,
     )
     pretrain: pretrain.PretrainConfig = option(
         default_factory=pretrain.PretrainConfig,
@@ -308,10 +326,13 @@ def check_config(config: PPOConfig, world_size: int) -> torch.device:
     """Refuse, before any work, what the run could not do; returns the run's device.
 
     Raises:
-        ValueError: an unavailable ``--device``; ``num_envs`` not a multiple of
+        ValueError: a number outside its option's bounds (:func:`common.validate_config`);
+            an unavailable ``--device``; ``num_envs`` not a multiple of
             ``collector_workers``; the Ray backend under ``torchrun``.
         ImportError: ``--collector_backend ray`` without ``ray`` installed.
+        FileNotFoundError: ``--resume`` without a checkpoint in ``output_dir``.
     """
+    validate_config(config)
     device = resolve_device(config.device)
     workers = config.collector_workers
     if workers < 1 or config.num_envs % workers:
@@ -330,6 +351,8 @@ def check_config(config: PPOConfig, world_size: int) -> torch.device:
             "--collector_backend ray needs Ray: pip install 'torchrl_flowpolicy[ray]' (or use "
             "--collector_backend process)."
         )
+    if config.resume:
+        require_run_checkpoint(Path(config.output_dir) / "checkpoint.pt")
     return device
 
 
@@ -561,8 +584,10 @@ def save_ppo_run(
     iteration: int,
     env_steps: int,
     history: list[dict],
+    task: str,
 ) -> None:
-    """The run checkpoint ``--resume`` reads (``examples/evaluate.py`` reads its policy)."""
+    """The run checkpoint ``--resume`` reads (``examples/evaluate.py`` reads its policy);
+    ``task`` and ``model_config`` are what :func:`run_identity` compares on resume."""
     save_run(
         path,
         learner.trained(),
@@ -570,7 +595,14 @@ def save_ppo_run(
         env_steps=env_steps,
         history=json.dumps(history),
         model_config=dataclasses.asdict(model_config),
+        task=task,
     )
+
+
+def run_identity(config: PPOConfig, model_config: ModelConfig) -> dict[str, Any]:
+    """What a resumed checkpoint must share with this run: the task and the architecture
+    (chunking included) of the pretrained policy."""
+    return {"task": config.task, "model_config": dataclasses.asdict(model_config)}
 
 
 def evaluation_record(
@@ -664,6 +696,9 @@ def main(config: PPOConfig) -> dict:
     barrier()
     policy, model_config, pretrained_state = load_policy(pretrained, **sampler_options(config))
     policy.to(device)
+    # --resume: the run checkpoint, refused now if corrupt or of another task or architecture.
+    run_checkpoint = output_dir / "checkpoint.pt"
+    saved = load_run(run_checkpoint, run_identity(config, model_config)) if config.resume else None
     bc_policy = copy.deepcopy(policy)  # the pretrained policy, for the held-out protocol
     executed = model_config.executed_chunk_length
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
@@ -676,9 +711,8 @@ def main(config: PPOConfig) -> dict:
     # Critic, loss, optimisers; resumed with the counters, history and RNG state if asked.
     learner = make_learner(policy, config, executed)
     iteration, env_steps, history = 0, 0, []
-    run_checkpoint = output_dir / "checkpoint.pt"
-    if config.resume and run_checkpoint.is_file():
-        saved = resume_run(run_checkpoint, learner.trained())
+    if saved is not None:
+        saved = resume_run(saved, learner.trained())
         iteration, env_steps = saved["iteration"], saved["env_steps"]
         history = json.loads(saved["history"])
         print(f"resumed from iteration {iteration} ({env_steps} env steps)")
@@ -736,7 +770,9 @@ def main(config: PPOConfig) -> dict:
         if main_process:  # rank 0's own diagnostics
             log({name.replace("loss_", "loss/"): value for name, value in row.items()}, env_steps)
         if main_process and iteration % config.checkpoint_every == 0:
-            save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history)
+            save_ppo_run(
+                run_checkpoint, learner, model_config, iteration, env_steps, history, config.task
+            )
         progress.update(batch_steps)
     progress.close()
     collector.shutdown()
@@ -749,7 +785,7 @@ def main(config: PPOConfig) -> dict:
     close_distributed()  # no collective call follows: rank 0 alone finishes the run
     if not main_process:
         return {}
-    save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history)
+    save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history, config.task)
 
     # Final evaluation (a history row unless the last iteration had one), held-out protocol
     # (BC and PPO under both decodings, the expert), plot, summary.

@@ -40,6 +40,7 @@ from common import (
     save_policy,
     task_defaults,
     task_options,
+    validate_config,
 )
 
 
@@ -47,27 +48,29 @@ from common import (
 class PretrainConfig(TaskOptions):
     """Behaviour-cloning settings; every field is a command-line option."""
 
-    seed: int = option(0, "seeds torch (initialisation, minibatches, flow-matching noise)")
+    seed: int = option(
+        0, "seeds torch (initialisation, minibatches, flow-matching noise)", minimum=0
+    )
     output_dir: str = option("outputs/pretrain", "where the checkpoint and summary go")
     checkpoint_name: str = option("policy.pt", "file name of the checkpoint in output_dir")
     demo_dir: str = option("outputs/demos", "demonstration cache (made by the scripted expert)")
     demo_episodes: int = option(
-        5, "scripted-expert episodes to clone (few-shot: the start leaves RL real work)"
+        5, "scripted-expert episodes to clone (few-shot: the start leaves RL real work)", minimum=1
     )
     demo_action_noise: float = option(
-        0.3, "std of the Gaussian noise on the expert's torques (imperfect demos)"
+        0.3, "std of the Gaussian noise on the expert's torques (imperfect demos)", minimum=0
     )
-    demo_seed: int = option(0, "seed of the demonstration episodes")
-    train_steps: int = option(3000, "optimiser steps")
-    batch_size: int = option(256, "decisions per minibatch")
-    learning_rate: float = option(3e-4, "AdamW learning rate")
-    weight_decay: float = option(1e-4, "AdamW weight decay")
+    demo_seed: int = option(0, "seed of the demonstration episodes", minimum=0)
+    train_steps: int = option(3000, "optimiser steps", minimum=1)
+    batch_size: int = option(256, "decisions per minibatch", minimum=1)
+    learning_rate: float = option(3e-4, "AdamW learning rate", above=0)
+    weight_decay: float = option(1e-4, "AdamW weight decay", minimum=0)
     sigma_distribution: Literal["uniform", "logit_normal", "beta"] = option(
         "beta", "distribution of the flow-matching noise level sigma"
     )
-    eval_episodes: int = option(50, "fixed evaluation episodes (one batched rollout)")
-    eval_seed: int = option(10_000, "seed of the evaluation episodes")
-    threads: int = option(1, "torch CPU threads")
+    eval_episodes: int = option(50, "fixed evaluation episodes (one batched rollout)", minimum=1)
+    eval_seed: int = option(10_000, "seed of the evaluation episodes", minimum=0)
+    threads: int = option(1, "torch CPU threads", minimum=1)
     model: ModelConfig = option(default_factory=ModelConfig, help="the policy's architecture")
 
 
@@ -182,6 +185,7 @@ def evaluate_parity(policy: FlowSDEPolicy, config: PretrainConfig) -> dict[int, 
 
 
 def main(config: PretrainConfig) -> dict:
+    validate_config(config)  # a number out of bounds fails here, before any work
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)

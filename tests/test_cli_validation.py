@@ -1,0 +1,217 @@
+"""The examples refuse bad command-line values and foreign or broken checkpoints before any
+work, with an error that names the option, the path or the fields that differ."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Stop(Exception):
+    """Raised by a patched step: the run got past the checks under test."""
+
+
+@pytest.fixture
+def examples_on_path(monkeypatch):
+    """The examples import each other (``common``, ``pretrain``) as the scripts do."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+
+
+def stop(*args, **kwargs):
+    raise Stop
+
+
+# ----------------------------------------------------------------------------- option bounds
+@pytest.mark.parametrize(
+    ("script", "argv", "flag"),
+    [
+        ("ppo", ["--total_env_steps", "-100"], "--total_env_steps -100"),
+        ("ppo", ["--eval_every", "0"], "--eval_every 0"),
+        ("ppo", ["--num_envs", "0"], "--num_envs 0"),
+        ("ppo", ["--minibatch_size", "0"], "--minibatch_size 0"),
+        ("ppo", ["--checkpoint_every", "0"], "--checkpoint_every 0"),
+        ("ppo", ["--quick", "--epochs", "0"], "--epochs 0"),
+        ("ppo", ["--actor_learning_rate=-3e-5"], "--actor_learning_rate -3e-05"),
+        ("ppo", ["--gamma", "nan"], "--gamma nan"),
+        ("ppo", ["--pretrain.train_steps", "0"], "--pretrain.train_steps 0"),
+        ("ppo", ["--pretrain.model.executed_chunk_length", "0"], "executed_chunk_length 0"),
+        ("dsrl", ["--batch_size", "0"], "--batch_size 0"),
+        ("dsrl", ["--critic_learning_rate", "-1"], "--critic_learning_rate -1.0"),
+        ("dsrl", ["--tau", "1.5"], "--tau 1.5"),
+        ("dsrl", ["--eval_every_env_steps", "0"], "--eval_every_env_steps 0"),
+        ("dsrl", ["--total_env_steps", "-100"], "--total_env_steps -100"),
+    ],
+)
+def test_out_of_bounds_options_exit_with_an_error_naming_the_option(
+    script, argv, flag, examples_on_path, capsys
+):
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as exit_:
+        module.parse_args(argv)
+    assert exit_.value.code == 2  # argparse's usage error
+    error = capsys.readouterr().err
+    assert flag in error and "must be" in error, error
+
+
+def test_pretrain_command_line_is_validated(examples_on_path, capsys):
+    import pretrain
+    from common import parse_config
+
+    with pytest.raises(SystemExit):
+        parse_config(pretrain.PretrainConfig, ["--learning_rate", "0"], exclude=pretrain.EXCLUDE)
+    assert "--learning_rate 0.0: must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["ppo", "dsrl"])
+@pytest.mark.parametrize("argv", [[], ["--quick"], ["--task", "lift"], ["--task", "can"]])
+def test_defaults_quick_and_task_defaults_are_within_bounds(script, argv, examples_on_path):
+    importlib.import_module(script).parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("script", "config_class", "field", "value"),
+    [
+        ("ppo", "PPOConfig", "num_envs", 0),
+        ("dsrl", "DSRLConfig", "utd_ratio", 0.0),
+        ("pretrain", "PretrainConfig", "train_steps", 0),
+    ],
+)
+def test_main_refuses_an_out_of_bounds_config_built_in_code(
+    script, config_class, field, value, examples_on_path, monkeypatch, tmp_path
+):
+    import pretrain
+
+    module = importlib.import_module(script)
+    monkeypatch.setattr(pretrain, "load_or_collect_demos", stop)  # no work may start
+    config = getattr(module, config_class)(output_dir=str(tmp_path / "out"), **{field: value})
+    if script != "pretrain":
+        config.pretrained_checkpoint = str(tmp_path / "bc.pt")
+        monkeypatch.setattr(pretrain, "main", stop)
+    with pytest.raises(ValueError, match=f"--{field} {value}: must be"):
+        module.main(config)
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- resume
+def run_config(script: str, tmp_path: Path, *options: str):
+    """A ``--resume`` config of ``script`` whose pretrained checkpoint is ``tmp_path/bc.pt``."""
+    module = importlib.import_module(script)
+    return module, module.parse_args(
+        ["--quick", "--resume", "--output_dir", str(tmp_path / "run"),
+         "--pretrained_checkpoint", str(tmp_path / "bc.pt"), "--loggers", "", *options]
+    )  # fmt: skip
+
+
+def save_tiny_pretrained(path: Path):
+    """An untrained small pusher policy checkpoint (what load_policy reads); its config."""
+    import torch
+
+    from torchrl_flowpolicy.networks import ObservationNormalizer
+
+    from common import ModelConfig, build_policy, save_policy
+
+    model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
+    size = model_config.observation_dim
+    policy = build_policy(model_config, ObservationNormalizer(torch.zeros(size), torch.ones(size)))
+    save_policy(path, policy, model_config)
+    return model_config
+
+
+@pytest.mark.parametrize("script", ["ppo", "dsrl"])
+def test_resume_without_a_checkpoint_is_an_error_naming_the_path(
+    script, examples_on_path, monkeypatch, tmp_path
+):
+    import pretrain
+
+    monkeypatch.setattr(pretrain, "main", stop)  # refused before the pretraining
+    module, config = run_config(script, tmp_path)
+    expected = str(tmp_path / "run" / "checkpoint.pt")
+    with pytest.raises(FileNotFoundError, match="drop --resume") as error:
+        module.main(config)
+    assert expected in str(error.value)
+
+
+def foreign_checkpoint(path: Path, model_config, **changes):
+    """A run checkpoint saved with ``changes`` to this run's identity."""
+    from common import save_run
+
+    identity = {
+        "task": "pusher",
+        "model_config": dataclasses.asdict(model_config),
+        "networks": {"hidden_dim": 64, "num_layers": 3},
+    }
+    for name, value in changes.items():
+        if name in identity:
+            identity[name] = value
+        else:
+            key, field = (
+                ("networks", name) if name in identity["networks"] else ("model_config", name)
+            )
+            identity[key] = {**identity[key], field: value}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_run(path, {}, iteration=1, **identity)
+
+
+@pytest.mark.parametrize("script", ["ppo", "dsrl"])
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"executed_chunk_length": 2}, "model_config.executed_chunk_length: saved 2, this run 4"),
+        ({"chunk_length": 16}, "model_config.chunk_length: saved 16, this run 8"),
+        ({"model_dim": 32}, "model_config.model_dim: saved 32, this run 16"),
+        ({"task": "lift"}, "task: saved 'lift', this run 'pusher'"),
+    ],
+)
+def test_resuming_another_runs_checkpoint_names_the_fields_that_differ(
+    script, changes, named, examples_on_path, monkeypatch, tmp_path
+):
+    module, config = run_config(script, tmp_path)
+    model_config = save_tiny_pretrained(tmp_path / "bc.pt")
+    foreign_checkpoint(tmp_path / "run" / "checkpoint.pt", model_config, **changes)
+    monkeypatch.setattr(module, "make_eval_env", stop)  # the first step after the checks
+    with pytest.raises(ValueError, match="saved by another run") as error:
+        module.main(config)
+    assert named in str(error.value)
+
+
+def test_dsrl_resume_with_other_sac_network_sizes_names_them(
+    examples_on_path, monkeypatch, tmp_path
+):
+    module, config = run_config("dsrl", tmp_path)
+    model_config = save_tiny_pretrained(tmp_path / "bc.pt")
+    foreign_checkpoint(tmp_path / "run" / "checkpoint.pt", model_config, hidden_dim=256)
+    monkeypatch.setattr(module, "make_eval_env", stop)
+    with pytest.raises(ValueError, match="networks.hidden_dim: saved 256, this run 64"):
+        module.main(config)
+
+
+@pytest.mark.parametrize("script", ["ppo", "dsrl"])
+def test_resuming_a_matching_checkpoint_passes_the_checks(
+    script, examples_on_path, monkeypatch, tmp_path
+):
+    module, config = run_config(script, tmp_path)
+    model_config = save_tiny_pretrained(tmp_path / "bc.pt")
+    foreign_checkpoint(tmp_path / "run" / "checkpoint.pt", model_config)
+    monkeypatch.setattr(module, "make_eval_env", stop)
+    with pytest.raises(Stop):
+        module.main(config)
+
+
+@pytest.mark.parametrize("script", ["ppo", "dsrl"])
+def test_resuming_a_corrupt_checkpoint_says_it_is_corrupt(
+    script, examples_on_path, monkeypatch, tmp_path
+):
+    module, config = run_config(script, tmp_path)
+    save_tiny_pretrained(tmp_path / "bc.pt")
+    path = tmp_path / "run" / "checkpoint.pt"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"PK\x03\x04 cut short")
+    monkeypatch.setattr(module, "make_eval_env", stop)
+    with pytest.raises(ValueError, match=f"checkpoint at {re.escape(str(path))} is corrupt"):
+        module.main(config)
