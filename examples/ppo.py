@@ -364,6 +364,20 @@ def seeded_env(config: PPOConfig, num_envs: int, executed_chunk_length: int, see
     return env
 
 
+def worker_env_factories(
+    config: PPOConfig, workers: int, executed_chunk_length: int, seed: int
+) -> list[functools.partial]:
+    """One env factory per collector worker: worker ``w`` steps ``num_envs / workers``
+    environments seeded from ``seed + w * num_envs / workers`` (one process's initial states)."""
+    envs_per_worker = config.num_envs // workers
+    return [
+        functools.partial(
+            seeded_env, config, envs_per_worker, executed_chunk_length, seed + w * envs_per_worker
+        )
+        for w in range(workers)
+    ]
+
+
 def make_collector(
     policy: FlowSDEPolicy,
     config: PPOConfig,
@@ -401,18 +415,8 @@ def make_collector(
             auto_register_policy_transforms=False,  # not recurrent: no InitTracker needed
             **devices,
         )
-    envs_per_worker = config.num_envs // workers
     return MultiSyncCollector(
-        [
-            functools.partial(
-                seeded_env,
-                config,
-                envs_per_worker,
-                executed_chunk_length,
-                seed + w * envs_per_worker,
-            )
-            for w in range(workers)
-        ],
+        worker_env_factories(config, workers, executed_chunk_length, seed),
         policy,
         frames_per_batch=decisions_per_batch,
         total_frames=-1,
@@ -467,18 +471,8 @@ def make_ray_collector(
             f"has {cpus:g}: use fewer workers or a larger cluster (--ray_address)."
         )
     on_gpu = torch.device(device).type == "cuda"
-    envs_per_worker = config.num_envs // workers
     collector = RayCollector(
-        [
-            functools.partial(
-                seeded_env,
-                config,
-                envs_per_worker,
-                executed_chunk_length,
-                seed + w * envs_per_worker,
-            )
-            for w in range(workers)
-        ],
+        worker_env_factories(config, workers, executed_chunk_length, seed),
         copy.deepcopy(policy).cpu(),
         frames_per_batch=decisions_per_batch,
         # RayCollector compares collected frames with total_frames: -1 would end it at once.
