@@ -423,6 +423,101 @@ def test_critic_loss_moves_only_the_critic_and_objective_only_the_actor():
     assert not has_gradient(critic)
 
 
+# ---------------------------------------------------------------------------- critic-free
+def test_critic_free_loss_equals_the_critic_loss_on_the_stored_advantage():
+    policy = make_transformer_policy()
+    data = collect(policy, (8,))
+    data["advantage"] = non_uniform_advantage((8,))
+    data["value_target"] = torch.randn(8, 1, dtype=torch.float64)
+    perturb(policy.velocity_network)
+    options = {"clip_epsilon": (0.2, 0.28), "kl_coeff": 0.01, "normalize_advantage": True}
+    with_critic = DenoisingClipPPOLoss(policy, make_critic(), **options)(data)
+    critic_free_loss = DenoisingClipPPOLoss(policy, **options)
+    critic_free = critic_free_loss(data)
+
+    assert set(with_critic.keys()) - set(critic_free.keys()) == {
+        "loss_critic",
+        "explained_variance",
+    }
+    assert set(critic_free.keys()) <= set(with_critic.keys())
+    for name in critic_free.keys():
+        torch.testing.assert_close(critic_free[name], with_critic[name], msg=name)
+    assert critic_free["loss_objective"].abs() > 0
+
+    # Gradients reach the actor only: the loss trains no other parameter (the frozen KL
+    # reference aside).
+    actor = {parameter.data_ptr() for parameter in policy.parameters()}
+    trained = [parameter for parameter in critic_free_loss.parameters() if parameter.requires_grad]
+    assert trained and {parameter.data_ptr() for parameter in trained} <= actor
+    sum(value for name, value in critic_free.items() if name.startswith("loss_")).backward()
+    assert has_gradient(policy.velocity_network)
+    # It reads no next-step entry (nothing bootstraps) and reads the advantage.
+    assert critic_free_loss.in_keys and "advantage" in critic_free_loss.in_keys
+    assert not [
+        key for key in critic_free_loss.in_keys if isinstance(key, tuple) and key[0] == "next"
+    ]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"critic_coeff": 0.5}, {"clip_value": 0.2}, {"loss_critic_type": "l2"}],
+)
+def test_critic_options_without_a_critic_are_refused_naming_them(options):
+    (name,) = options
+    with pytest.raises(ValueError, match=f"{name}=.*no critic"):
+        DenoisingClipPPOLoss(make_policy(), **options)
+
+
+def test_critic_free_loss_refuses_what_only_a_critic_serves():
+    policy = make_policy()
+    for options in ({}, {"critic_coeff": 0.0}, {"critic_coeff": None}, {"clip_value": None}):
+        assert "loss_critic" not in DenoisingClipPPOLoss(policy, **options).out_keys
+    loss = DenoisingClipPPOLoss(policy)
+    with pytest.raises(ValueError, match="make_value_estimator needs a critic"):
+        loss.make_value_estimator(ValueEstimators.GAE, gamma=0.9, lmbda=0.95)
+    with pytest.raises(ValueError, match="needs a critic"):
+        loss.value_estimator  # noqa: B018 (TorchRL builds a default GAE on first access)
+    data = collect(policy, (4,))
+    with pytest.raises(ValueError, match="loss_critic needs a critic"):
+        loss.loss_critic(data)
+    with pytest.raises(KeyError, match="no critic to compute it"):
+        loss(data)
+
+
+def test_group_relative_batch_of_equal_returns_gives_a_zero_objective_and_gradient():
+    """GRPO composed: GroupRelativeAdvantage on a [envs, T] batch, its first episodes, the
+    critic-free loss. Groups whose returns are all equal contribute nothing."""
+    from torchrl_flowpolicy.objectives import GroupRelativeAdvantage
+
+    policy = make_policy(sde_mode="all")
+    data = collect(policy, (4, 3))
+    done = torch.zeros(4, 3, 1, dtype=torch.bool)
+    done[:, -1] = True
+    done[0, 0] = True  # env 0's episode ends at once; the collector starts another
+    data["group_id"] = (torch.arange(4) // 2).unsqueeze(-1).expand(4, 3)
+    data["next", "done"] = done
+    perturb(policy.velocity_network)
+    loss = DenoisingClipPPOLoss(policy, normalize_advantage=False)
+
+    data["next", "reward"] = torch.ones(4, 3, 1, dtype=torch.float64)
+    data["next", "reward"][0, 0] = 3.0  # every episode's return is 3
+    flat = GroupRelativeAdvantage()(data.clone())
+    flat = flat[flat["episode_mask"]]
+    assert flat.batch_size == (10,) and (flat["advantage"] == 0).all()
+    out = loss(flat)
+    assert out["loss_objective"] == 0
+    out["loss_objective"].backward()
+    assert not has_gradient(policy)
+
+    data["next", "reward"][2, 1] = 1.5  # group 1 now has a spread
+    flat = GroupRelativeAdvantage()(data.clone())
+    flat = flat[flat["episode_mask"]]
+    assert (flat["advantage"][flat["group_id"] == 0] == 0).all()
+    assert (flat["advantage"][flat["group_id"] == 1] != 0).all()
+    loss(flat)["loss_objective"].backward()
+    assert has_gradient(policy.velocity_network)
+
+
 def test_context_grad_lets_the_objective_reach_the_encoder():
     policy = make_transformer_policy()
     data = collect(policy, (8,))

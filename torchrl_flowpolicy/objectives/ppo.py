@@ -14,7 +14,7 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 from tensordict.utils import NestedKey
 from torch import Tensor
-from torchrl.objectives import ClipPPOLoss
+from torchrl.objectives import ClipPPOLoss, ValueEstimators
 from torchrl.objectives.ppo import _broadcast_advantage_to_log_weight, _check_advantage_broadcast
 
 from torchrl_flowpolicy import flow
@@ -53,6 +53,35 @@ def _check_clip_epsilon(clip_epsilon: float | tuple[float, float]) -> None:
         )
 
 
+# ClipPPOLoss options that only a critic serves (critic_coeff None or 0 means "no critic loss").
+_CRITIC_OPTIONS = ("critic_coeff", "clip_value", "loss_critic_type")
+
+
+def _check_critic_free(options: Mapping[str, Any]) -> None:
+    """Refuse, without a critic, the options that configure one."""
+    given = [
+        f"{name}={options[name]!r}"
+        for name in _CRITIC_OPTIONS
+        if name in options
+        and not (name == "critic_coeff" and options[name] in (None, 0))
+        and not (name == "clip_value" and options[name] is None)
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: critic options, and there is no critic "
+            f"(critic_network=None). A critic-free loss reads the advantage from the batch (e.g. "
+            f"GroupRelativeAdvantage); drop these options or pass a critic_network."
+        )
+
+
+def _no_critic_error(what: str) -> ValueError:
+    return ValueError(
+        f"{what} needs a critic, and this loss has none (critic_network=None): the advantage "
+        f"must be in the batch (e.g. written by GroupRelativeAdvantage). Pass a critic_network "
+        f"to estimate it with TorchRL's value estimators."
+    )
+
+
 class DenoisingClipPPOLoss(ClipPPOLoss):
     """PPO's clipped objective taken per (decision, stochastic denoising step).
 
@@ -87,9 +116,19 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     ``loss["loss_entropy"]`` as with ``ClipPPOLoss``: ``-entropy_coeff * entropy`` with the bonus,
     a zero of ``loss_objective``'s shape, dtype and device without it.
 
+    Critic-free (``critic_network=None``, e.g. group-relative PPO with
+    :class:`~torchrl_flowpolicy.objectives.GroupRelativeAdvantage`): the advantage must be in
+    the batch; the loss reads it, writes no ``loss_critic`` and holds only the actor's
+    parameters, and its ``in_keys`` are the actor's inputs, the action, the stored log-probs,
+    the advantage and the chain (no next-step entries: nothing bootstraps). What only a critic
+    can serve is refused with a ``ValueError`` naming it: ``critic_coeff > 0``,
+    ``clip_value``, ``loss_critic_type`` at construction; ``make_value_estimator``,
+    ``value_estimator`` and ``loss_critic`` afterwards.
+
     Args:
         actor_network: the :class:`~torchrl_flowpolicy.FlowSDEPolicy` to train.
-        critic_network: a value network writing ``"state_value"`` (optional).
+        critic_network: a value network writing ``"state_value"``; ``None`` (default): no
+            critic (see above).
 
     Keyword Args:
         clip_epsilon: a float in ``(0, 1)``, or a ``(low, high)`` pair for clip-higher (e.g. ``(0.2, 0.28)``,
@@ -199,6 +238,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             raise ValueError(
                 "samples_mc_entropy does not apply: the Gaussian steps' entropy is in closed form."
             )
+        if critic_network is None:
+            _check_critic_free(kwargs)
         _check_clip_epsilon(clip_epsilon)
         if dual_clip is not None and dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}.")
@@ -237,6 +278,15 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     def _set_in_keys(self) -> None:
         super()._set_in_keys()
         keys = set(self._in_keys)
+        if self.critic_network is None:  # the advantage is read, not estimated: no next step
+            keys = set(self.actor_network.in_keys)
+            keys.update(
+                {
+                    self.tensor_keys.action,
+                    self.tensor_keys.sample_log_prob,
+                    self.tensor_keys.advantage,
+                }
+            )
         keys.update({self.tensor_keys.chain, self.tensor_keys.sde_mask})
         keys.add(self.tensor_keys.step_log_prob)
         if getattr(self, "bc_coeff", 0.0) > 0:
@@ -262,6 +312,21 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     @out_keys.setter
     def out_keys(self, values) -> None:
         self._out_keys = values
+
+    # ------------------------------------------------------------------ critic
+    def make_value_estimator(self, value_type: ValueEstimators | None = None, **hyperparams: Any):
+        """TorchRL's ``make_value_estimator``; refused without a critic."""
+        if self.critic_network is None:
+            raise _no_critic_error("make_value_estimator")
+        return super().make_value_estimator(value_type, **hyperparams)
+
+    def loss_critic(
+        self, tensordict: TensorDictBase
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """TorchRL's ``loss_critic``; refused without a critic."""
+        if self.critic_network is None:
+            raise _no_critic_error("loss_critic")
+        return super().loss_critic(tensordict)
 
     # ------------------------------------------------------------------ hooks
     def _actor_parameters(self):
@@ -338,7 +403,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             if self.critic_network is None:
                 raise KeyError(
                     f"the advantage {self.tensor_keys.advantage!r} is missing and there is no "
-                    f"critic to compute it: run a value estimator first or pass a critic."
+                    f"critic to compute it: write it first (GroupRelativeAdvantage, a TorchRL "
+                    f"value estimator) or pass a critic."
                 )
             self.value_estimator(
                 tensordict,
