@@ -96,3 +96,28 @@ def test_a_skipped_sub_environment_reports_its_last_done_flags():
         assert torch.equal(out["next", "done"], out["next", "truncated"])
         td = env.step_mdp(out)
     assert not env.reset()["done"].any()
+
+
+def test_groups_of_sub_environments_start_from_the_same_state():
+    env = make_chunked_env(
+        BatchedGymEnv(ENV_ID, 6, group_size=3, max_episode_steps=6), executed_chunk_length=4
+    )
+    env.set_seed(7)
+    first = env.reset()["observation"]
+    references = [gym.make(ENV_ID).reset(seed=seed)[0] for seed in (7, 8)]
+    np.testing.assert_allclose(first.numpy(), np.repeat(np.stack(references), 3, 0), rtol=1e-6)
+    assert not torch.equal(first[0], first[3])
+    env.set_seed(7)  # seeded again: the same groups
+    torch.testing.assert_close(env.reset()["observation"], first)
+    env.set_seed(9)  # another seed: other states, still grouped
+    other = env.reset()["observation"]
+    assert torch.equal(other[0], other[2]) and not torch.equal(other[0], first[0])
+    reference = torch.as_tensor(gym.make(ENV_ID).reset(seed=10)[0], dtype=torch.float32)
+    torch.testing.assert_close(other[3], reference)
+
+
+def test_group_size_must_divide_num_envs():
+    with pytest.raises(ValueError, match="positive divisor of num_envs 4"):
+        BatchedGymEnv(ENV_ID, 4, group_size=3)
+    with pytest.raises(ValueError, match="positive divisor"):
+        BatchedGymEnv(ENV_ID, 4, group_size=0)

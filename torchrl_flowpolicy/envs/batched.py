@@ -39,6 +39,14 @@ class BatchedGymEnv(EnvBase):
     with ``seed + i`` at its next reset (the convention of TorchRL's batched environments);
     later resets continue each sub-environment's own random stream.
 
+    Groups. With ``group_size = G``, the sub-environments form ``num_envs / G`` groups of
+    ``G`` consecutive ones, and ``env.set_seed(seed)`` seeds sub-environment ``i`` with
+    ``seed + i // G``: the ``G`` members of group ``g`` start their next episode from the same
+    initial state, that of seed ``seed + g`` (what group-relative advantages compare,
+    :class:`~torchrl_flowpolicy.objectives.GroupRelativeAdvantage`). Their later unseeded
+    resets need not agree: a member whose episode ends first is reset first. To start every
+    group afresh, call ``set_seed`` again before a full reset.
+
     Info entries. For each name in ``info_keys`` the environment writes a ``[N, 1]`` bool
     entry (a :class:`~torchrl.data.Binary` observation spec) read from ``info[name]`` of each
     sub-environment's step; at a reset it is ``info[name]`` of the reset info when present,
@@ -52,6 +60,8 @@ class BatchedGymEnv(EnvBase):
     Keyword Args:
         info_keys: names of boolean ``info`` entries to expose (e.g. ``("success",)``).
         device: the TorchRL device (tensors are made on the CPU, then moved).
+        group_size: ``G``, the sub-environments per group that ``set_seed`` seeds alike
+            (default 1: every sub-environment its own seed); ``num_envs`` must be a multiple.
         **make_kwargs: forwarded to ``gymnasium.make`` (e.g. ``max_episode_steps``); only
             with a gymnasium id (a factory takes its settings itself).
 
@@ -63,6 +73,11 @@ class BatchedGymEnv(EnvBase):
         >>> factory = functools.partial(gym.make, "Pusher-v5", max_episode_steps=10)
         >>> BatchedGymEnv(factory, 2).rollout(4)["next", "observation"].shape
         torch.Size([2, 4, 23])
+        >>> grouped = BatchedGymEnv("Pusher-v5", 4, group_size=2, max_episode_steps=10)
+        >>> _ = grouped.set_seed(0)  # sub-environments 0, 1 from seed 0; 2, 3 from seed 1
+        >>> first, second, third, _ = grouped.reset()["observation"]
+        >>> torch.equal(first, second), torch.equal(second, third)
+        (True, False)
     """
 
     batch_locked = True
@@ -74,10 +89,16 @@ class BatchedGymEnv(EnvBase):
         *,
         info_keys: Sequence[str] = (),
         device: torch.device | str | None = None,
+        group_size: int = 1,
         **make_kwargs: Any,
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}.")
+        if group_size < 1 or num_envs % group_size:
+            raise ValueError(
+                f"group_size must be a positive divisor of num_envs {num_envs} (groups of "
+                f"consecutive sub-environments), got {group_size}."
+            )
         if isinstance(info_keys, str):
             raise TypeError(
                 f"info_keys must be a sequence of names, got the string {info_keys!r}; "
@@ -107,6 +128,7 @@ class BatchedGymEnv(EnvBase):
         super().__init__(batch_size=torch.Size([num_envs]), device=device)
         self.env_id = env_id
         self.info_keys = info_keys
+        self.group_size = group_size
         self.envs = [make_env() for _ in range(num_envs)]
         if not all(isinstance(env, gym.Env) for env in self.envs):
             raise TypeError(
@@ -163,7 +185,7 @@ class BatchedGymEnv(EnvBase):
         if seed is None:
             self._seeds = [None] * len(self.envs)
         else:
-            self._seeds = [seed + index for index in range(len(self.envs))]
+            self._seeds = [seed + index // self.group_size for index in range(len(self.envs))]
 
     def _mask(self, tensordict: TensorDictBase | None, key: str) -> np.ndarray:
         if tensordict is None:

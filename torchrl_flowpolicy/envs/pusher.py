@@ -219,6 +219,7 @@ def make_pusher_env(
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
     reward: RewardMode = "progress",
     device: str | torch.device | None = None,
+    group_size: int = 1,
     **gym_kwargs: Any,
 ) -> TransformedEnv:
     """The library's default task as a TorchRL environment: one, or a batch, chunked or not.
@@ -248,11 +249,13 @@ def make_pusher_env(
             success, m.
         reward: ``"progress"`` (default) or ``"gymnasium"`` (see :class:`PusherTask`).
         device: the TorchRL device of the environment.
+        group_size: a batch's sub-environments per seeding group
+            (:class:`~torchrl_flowpolicy.envs.BatchedGymEnv`; default 1).
         **gym_kwargs: forwarded to ``gymnasium.make`` (e.g. ``reward_control_weight``).
 
     Returns:
         The transformed environment; seed it with ``env.set_seed(seed)`` (a batch seeds
-        sub-environment ``i`` with ``seed + i``).
+        sub-environment ``i`` with ``seed + i // group_size``).
 
     Examples:
         >>> env = make_pusher_env(max_episode_steps=10)
@@ -265,6 +268,8 @@ def make_pusher_env(
     """
     if max_episode_steps < 1:
         raise ValueError(f"max_episode_steps must be >= 1, got {max_episode_steps}.")
+    if num_envs is None and group_size != 1:
+        raise ValueError(f"group_size={group_size} needs a batch (num_envs); got num_envs=None.")
     if num_envs is None:
         if device is not None:
             gym_kwargs["device"] = device
@@ -276,6 +281,7 @@ def make_pusher_env(
             PUSHER_ENV_ID,
             num_envs,
             device=device,
+            group_size=group_size,
             max_episode_steps=max_episode_steps,
             **gym_kwargs,
         )

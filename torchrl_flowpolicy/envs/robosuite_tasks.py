@@ -449,6 +449,7 @@ def make_robosuite_env(
     reward: RewardMode = "success",
     terminate_on_success: bool = True,
     device: str | torch.device | None = None,
+    group_size: int = 1,
     **robosuite_kwargs: Any,
 ) -> TransformedEnv:
     """A robosuite task as a TorchRL environment: one, or a batch, chunked or not.
@@ -477,12 +478,14 @@ def make_robosuite_env(
         reward: ``"success"`` or ``"shaped"`` (:class:`RobosuiteGymEnv`).
         terminate_on_success: whether success ends the episode (``terminated``).
         device: the TorchRL device of the environment.
+        group_size: a batch's sub-environments per seeding group
+            (:class:`~torchrl_flowpolicy.envs.BatchedGymEnv`; default 1).
         **robosuite_kwargs: forwarded to :class:`RobosuiteGymEnv` (``render_mode``,
             ``camera_name``, robosuite arguments, ...).
 
     Returns:
         The transformed environment; seed it with ``env.set_seed(seed)`` (a batch seeds
-        sub-environment ``i`` with ``seed + i``).
+        sub-environment ``i`` with ``seed + i // group_size``).
 
     Examples:
         >>> env = make_robosuite_env(2, executed_chunk_length=4, max_episode_steps=8)
@@ -505,11 +508,15 @@ def make_robosuite_env(
         terminate_on_success=terminate_on_success,
         **robosuite_kwargs,
     )
+    if num_envs is None and group_size != 1:
+        raise ValueError(f"group_size={group_size} needs a batch (num_envs); got num_envs=None.")
     if num_envs is None:
         base = GymWrapper(factory(), device=device)
         base.set_info_dict_reader(_SuccessReader())
     else:
-        base = BatchedGymEnv(factory, num_envs, info_keys=("success",), device=device)
+        base = BatchedGymEnv(
+            factory, num_envs, info_keys=("success",), device=device, group_size=group_size
+        )
     env = TransformedEnv(base)
     if executed_chunk_length is not None:
         env = make_chunked_env(env, executed_chunk_length)

@@ -43,7 +43,9 @@ class Task:
             run's config sets, e.g. ``("max_episode_steps", "success_threshold", "reward")``.
         make_env: ``make_env(num_envs, executed_chunk_length, **options)``: the TorchRL
             environment (``num_envs=None``: unbatched; ``executed_chunk_length=None``: one
-            action per step). It writes ``"success"`` on every step.
+            action per step). It writes ``"success"`` on every step. It also takes
+            ``device`` and ``group_size`` (a batch's sub-environments that ``set_seed`` seeds
+            alike, :class:`~torchrl_flowpolicy.envs.BatchedGymEnv`).
         make_expert: ``make_expert(env, action_noise=0.0, seed=0)``: the scripted expert as a
             policy of ``make_env(N, None, **options)`` (one action per step).
         collect_demos: ``collect_demos(num_episodes, action_noise, seed, *, progress=None,
