@@ -37,6 +37,7 @@ from torchrl_flowpolicy.protocol import (
     VALIDATION_SEED,
     evaluate_expert,
     format_protocol,
+    grouped_training_seed,
     protocol_summary,
     split_seed,
     training_seed,
@@ -72,6 +73,22 @@ def test_training_and_demonstration_seeds_stay_outside_every_split():
     for demo_seed, expected in [(0, [0, 1]), (1, [1_000_003, 1_000_004])]:
         demos = collect_demos(2, 0.0, demo_seed, max_episode_steps=1)
         assert demos["episode_seed"].tolist() == expected
+
+
+def test_grouped_batches_reset_disjoint_seeds_outside_every_split():
+    evaluation = set(range(CURVE_SEED, HELD_OUT_SEED + SPLIT_SIZE))
+    for seed, num_groups in [(0, 4), (9_000, 1000), (17, 3)]:
+        seen: set[int] = set()
+        for iteration in range(50):
+            first = grouped_training_seed(seed, iteration, num_groups)
+            groups = set(range(first, first + num_groups))
+            assert not groups & evaluation and not groups & seen
+            seen |= groups
+    assert grouped_training_seed(5, 0, 4) == 5 and grouped_training_seed(5, 7, 4) == 47_005
+    with pytest.raises(ValueError, match="1 to 1000 groups"):
+        grouped_training_seed(0, 1, 1001)
+    with pytest.raises(ValueError, match="evaluation seed"):
+        grouped_training_seed(9_998, 0, 4)
 
 
 def test_only_the_protocol_helper_uses_the_held_out_split():

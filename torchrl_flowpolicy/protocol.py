@@ -20,6 +20,9 @@ Nothing else resets an environment with a seed in ``[10_000, 40_000)``:
 - Training environments reset once with :func:`training_seed` (sub-environment ``i``:
   ``seed + i < 10_000`` for a fresh run, at least 40_000 for a resumed one); their later
   resets continue each sub-environment's own random stream and take no seed.
+- Grouped training (group-relative advantages) resets every group of every batch with a
+  seed: group ``g`` of batch ``k`` with :func:`grouped_training_seed` ``+ g`` (below 10_000
+  for the first batch of a run, at least 41_000 for the next ones).
 
 **Protocol.** On the held-out split, :func:`protocol_summary` puts the pretrained (BC)
 policy's two decodings, the fine-tuned (RL) policy's two decodings
@@ -47,6 +50,8 @@ __all__ = [
     "SPLIT_SEEDS",
     "split_seed",
     "training_seed",
+    "grouped_training_seed",
+    "MAX_GROUPS",
     "evaluate_expert",
     "protocol_summary",
     "format_protocol",
@@ -104,6 +109,36 @@ def training_seed(seed: int, iteration: int, num_envs: int) -> int:
     if iteration == 0:
         return seed
     return HELD_OUT_SEED + SPLIT_SIZE + seed + 1000 * iteration
+
+
+MAX_GROUPS = 1000
+"""The most groups a grouped batch may reset: batches ``k`` and ``k + 1`` of a run are 1000
+seeds apart (:func:`training_seed`)."""
+
+
+def grouped_training_seed(seed: int, iteration: int, num_groups: int) -> int:
+    """The reset seed of group 0 in batch ``iteration`` of a grouped run; group ``g`` resets
+    with this ``+ g`` (e.g. ``BatchedGymEnv(group_size=G).set_seed`` with it).
+
+    It is :func:`training_seed` ``(seed, iteration, num_groups)``: ``seed`` for the first
+    batch (``iteration = 0``), ``40_000 + seed + 1000 * iteration`` after, so that the batches
+    of a run never share an initial state with each other or with an evaluation split, and a
+    resumed run continues the sequence of an uninterrupted one.
+
+    Raises:
+        ValueError: more than :data:`MAX_GROUPS` groups, or a ``seed`` whose groups would reach
+            the evaluation seeds.
+
+    Examples:
+        >>> [grouped_training_seed(0, iteration, 4) for iteration in range(3)]
+        [0, 41000, 42000]
+    """
+    if not 1 <= num_groups <= MAX_GROUPS:
+        raise ValueError(
+            f"a grouped batch resets 1 to {MAX_GROUPS} groups (consecutive batches are "
+            f"{MAX_GROUPS} seeds apart), got {num_groups}."
+        )
+    return training_seed(seed, iteration, num_groups)
 
 
 def evaluate_expert(
