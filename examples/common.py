@@ -13,7 +13,9 @@ without a default is a required option. ``--help`` prints every field's help tex
 default. A script that passes ``quick=`` also gets ``--quick``: its values replace
 the defaults, and options typed on the command line win over them. A number's bounds
 (``option(..., minimum=1)``) are checked on the resulting config, before any work: a value
-out of bounds exits with argparse's error naming the option.
+out of bounds exits with argparse's error naming the option. So do options that contradict
+each other, which a config lists in its ``option_conflicts()`` method (e.g. ``--num_envs``
+not a multiple of ``--group_size``).
 
 Why this small builder rather than ``tyro``: tyro would read the same dataclasses, but
 adds a dependency whose defaults (kebab-case flags, its own boolean and nested-option
@@ -88,9 +90,10 @@ def option(
 
 
 def config_errors(config: Any, prefix: str = "") -> list[str]:
-    """What is wrong with ``config``'s numbers: one line per value outside the bounds of its
+    """What is wrong with ``config``'s options: one line per value outside the bounds of its
     :func:`option`, naming the option as the command line spells it (nested dataclasses
-    too). NaN is outside any bound."""
+    too; NaN is outside any bound), then the lines of the config's ``option_conflicts()``
+    method, if it has one (options that contradict each other, each line naming them)."""
     errors = []
     for item in dataclasses.fields(config):
         name, value = f"{prefix}{item.name}", getattr(config, item.name)
@@ -108,6 +111,9 @@ def config_errors(config: Any, prefix: str = "") -> list[str]:
             errors.append(
                 f"--{name} {value}: must be {' and '.join(expected)} ({item.metadata['help']})"
             )
+    conflicts = getattr(config, "option_conflicts", None)
+    if callable(conflicts):
+        errors += list(conflicts())
     return errors
 
 
@@ -308,6 +314,7 @@ def make_task_env(
     *,
     count_steps: bool = False,
     device: torch.device | str | None = None,
+    group_size: int = 1,
 ) -> EnvBase:
     """The environment of ``config.task`` with the config's task settings.
 
@@ -315,10 +322,12 @@ def make_task_env(
     environment step (before the chunking): a decision's ``("next", "step_count") -
     "step_count"`` is the number of env steps it executed (:func:`env_steps`). ``device``
     is the TorchRL device of the environment: the simulators run on the CPU, and TorchRL
-    moves their tensors there (default: the CPU).
+    moves their tensors there (default: the CPU). ``group_size``: the sub-environments
+    that ``env.set_seed`` seeds alike (:class:`~torchrl_flowpolicy.envs.BatchedGymEnv`).
     """
     options = task_options(config)
-    env = get_task(config.task).make_env(num_envs, None, device=device, **options)
+    make_env = get_task(config.task).make_env
+    env = make_env(num_envs, None, device=device, group_size=group_size, **options)
     if count_steps:
         env.append_transform(StepCounter())
     if executed_chunk_length is None:

@@ -25,6 +25,16 @@ are standardised per rank and minibatch, and self-imitation averages over each r
 successes. Rank 0 alone pretrains (the others wait), evaluates, logs its own diagnostics,
 checkpoints and writes the protocol, plot and summary.
 
+With ``--advantage grpo`` there is no critic (group-relative PPO, as Flow-GRPO and pi-RL
+fine-tune flow policies): the ``num_envs`` environments form groups of ``group_size`` that
+start every batch from one initial state per group (``BatchedGymEnv(group_size=...)``,
+seeds :func:`~torchrl_flowpolicy.protocol.grouped_training_seed`, the collector resetting
+every environment at each batch), a batch holds one episode per environment (the decisions
+after an early end, which the collector starts anew, are dropped), and each episode's return
+is scored against its group's (:class:`~torchrl_flowpolicy.objectives.GroupRelativeAdvantage`)
+before ``DenoisingClipPPOLoss`` without a critic. It needs the in-process collector (one
+worker): the groups are reseeded from this process before every batch.
+
 ``main`` reads top to bottom: seed, pretrained policy, evaluation env and baselines (BC under
 both decodings, the expert), learner (critic, loss, optimisers), resume, collector, training
 loop (one PPO iteration per batch, evaluate, log, checkpoint), final evaluation, held-out
@@ -70,8 +80,16 @@ from torchrl_flowpolicy.distributed import (  # noqa: E402
 )
 from torchrl_flowpolicy.envs import decision_discount, get_task  # noqa: E402
 from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
-from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
-from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed  # noqa: E402
+from torchrl_flowpolicy.objectives import (  # noqa: E402
+    DenoisingClipPPOLoss,
+    GroupRelativeAdvantage,
+)
+from torchrl_flowpolicy.protocol import (  # noqa: E402
+    CURVE_SEED,
+    MAX_GROUPS,
+    grouped_training_seed,
+    training_seed,
+)
 
 import pretrain  # noqa: E402
 from common import (
@@ -150,6 +168,17 @@ class PPOConfig(TaskOptions):
     )
     num_sde_steps: int = option(4, "stochastic steps for sde_mode=last", minimum=0)
     # PPO.
+    advantage: Literal["gae", "grpo"] = option(
+        "gae",
+        "gae: a value network and GAE over decisions; grpo: no critic, each episode's return "
+        "against those of its group (docs/grpo.md)",
+    )
+    group_size: int = option(
+        4,
+        "advantage=grpo: environments per group, reset from one initial state at every batch "
+        "(num_envs must be a multiple)",
+        minimum=2,
+    )
     epochs: int = option(4, "passes over each batch", minimum=1)
     minibatch_size: int = option(304, "decisions per minibatch", minimum=1)
     actor_learning_rate: float = option(3e-5, "Adam on the flow policy", above=0)
@@ -161,12 +190,18 @@ class PPOConfig(TaskOptions):
         0.1, "self-imitation: flow matching on successful episodes (0: off)", minimum=0
     )
     gamma: float = option(
-        0.99, "discount per env step; per decision: gamma ** executed rows", minimum=0, maximum=1
+        0.99,
+        "discount per env step; per decision: gamma ** executed rows (gae; grpo: returns are "
+        "undiscounted)",
+        minimum=0,
+        maximum=1,
     )
     gae_lambda: float = option(0.95, "GAE lambda over decisions", minimum=0, maximum=1)
     reward_scale: float = option(0.1, "multiplies the summed chunk reward", above=0)
     max_grad_norm: float = option(1.0, "gradient clipping", above=0)
-    critic_warmup_iterations: int = option(3, "first iterations train only the critic", minimum=0)
+    critic_warmup_iterations: int = option(
+        3, "first iterations train only the critic (grpo: no critic, ignored)", minimum=0
+    )
     # Evaluation, logging, checkpoints.
     eval_every: int = option(20, "iterations between deterministic evaluations", minimum=1)
     eval_episodes: int = option(
@@ -194,6 +229,37 @@ class PPOConfig(TaskOptions):
         "seed and task settings; it writes pretrained_checkpoint)",
     )
 
+    def option_conflicts(self) -> list[str]:
+        """Options that contradict each other: checked with the bounds (exit 2 on the command
+        line; ``ValueError`` in ``main``)."""
+        if self.advantage != "grpo":
+            return []
+        conflicts = []
+        if self.num_envs % self.group_size:
+            conflicts.append(
+                f"--num_envs {self.num_envs}: must be a multiple of --group_size "
+                f"{self.group_size} with --advantage grpo (groups of group_size environments "
+                f"start from one initial state)"
+            )
+        elif self.num_envs // self.group_size > MAX_GROUPS:
+            conflicts.append(
+                f"--num_envs {self.num_envs}: must be at most {MAX_GROUPS} groups of --group_size "
+                f"{self.group_size} with --advantage grpo (each batch's groups are reset with "
+                f"seeds 1000 apart)"
+            )
+        if self.episodes_per_batch != 1:
+            conflicts.append(
+                f"--episodes_per_batch {self.episodes_per_batch}: must be 1 with --advantage grpo "
+                f"(a batch holds one episode per environment; more groups: --num_envs)"
+            )
+        if self.collector_workers != 1 or self.collector_backend != "process":
+            conflicts.append(
+                f"--collector_workers {self.collector_workers} --collector_backend "
+                f"{self.collector_backend}: must be 1 and process with --advantage grpo (the "
+                f"groups are reseeded from this process before every batch)"
+            )
+        return conflicts
+
 
 # What --quick changes: the whole chain in about a minute.
 QUICK = {
@@ -206,6 +272,7 @@ QUICK = {
     "eval_episodes": 8,
     "held_out_episodes": 8,
     "critic_warmup_iterations": 1,
+    "group_size": 2,
     "pretrain.train_steps": 150,
     "pretrain.eval_episodes": 8,
     "threads": 1,
@@ -283,25 +350,41 @@ def make_critic(policy: FlowSDEPolicy) -> TensorDictModule:
 
 @dataclass
 class Learner:
-    """What PPO trains, and what a run checkpoint holds (:meth:`trained`)."""
+    """What PPO trains, and what a run checkpoint holds (:meth:`trained`); no critic (``None``)
+    with ``--advantage grpo``."""
 
     policy: FlowSDEPolicy
-    critic: TensorDictModule
+    critic: TensorDictModule | None
     loss_module: DenoisingClipPPOLoss
     actor_optimizer: torch.optim.Optimizer
-    critic_optimizer: torch.optim.Optimizer
+    critic_optimizer: torch.optim.Optimizer | None
 
     def trained(self) -> dict[str, Any]:
-        return {
+        trained = {
             "policy": self.policy,
             "critic": self.critic,
             "actor_optimizer": self.actor_optimizer,
             "critic_optimizer": self.critic_optimizer,
         }
+        return {name: item for name, item in trained.items() if item is not None}
 
 
 def make_learner(policy: FlowSDEPolicy, config: PPOConfig, executed_chunk_length: int) -> Learner:
-    """Critic, ``DenoisingClipPPOLoss`` with GAE over decisions, one Adam for each network."""
+    """Critic, ``DenoisingClipPPOLoss`` with GAE over decisions, one Adam for each network.
+
+    ``--advantage grpo``: no critic; the loss reads the group-relative advantage that
+    :func:`group_relative_batch` writes, unnormalised (it is normalised per group already).
+    """
+    if config.advantage == "grpo":
+        loss_module = DenoisingClipPPOLoss(
+            policy,
+            clip_epsilon=(config.clip_epsilon_low, config.clip_epsilon_high),
+            kl_coeff=config.kl_coeff,
+            bc_coeff=config.bc_coeff,
+            normalize_advantage=False,
+        )
+        actor_optimizer = torch.optim.Adam(policy.parameters(), lr=config.actor_learning_rate)
+        return Learner(policy, None, loss_module, actor_optimizer, None)
     critic = make_critic(policy)
     loss_module = DenoisingClipPPOLoss(
         policy,
@@ -358,10 +441,24 @@ def check_config(config: PPOConfig, world_size: int) -> torch.device:
 
 def seeded_env(config: PPOConfig, num_envs: int, executed_chunk_length: int, seed: int):
     """The chunked training env with ``num_envs`` sub-environments, seeded with ``seed``
-    (sub-environment ``i`` resets first with ``seed + i``) and counting env steps."""
-    env = make_task_env(config, num_envs, executed_chunk_length, count_steps=True)
+    (sub-environment ``i`` resets first with ``seed + i``; ``seed + i // group_size`` with
+    ``--advantage grpo``) and counting env steps."""
+    group_size = config.group_size if config.advantage == "grpo" else 1
+    env = make_task_env(
+        config, num_envs, executed_chunk_length, count_steps=True, group_size=group_size
+    )
     env.set_seed(seed)
     return env
+
+
+def group_seed(config: PPOConfig, iteration: int, rank: int = 0, world_size: int = 1) -> int:
+    """``--advantage grpo``: the reset seed of the batch collected after ``iteration``
+    iterations; environment ``i`` of rank ``r`` resets with it ``+ i // group_size`` (rank
+    ``r``'s groups follow those of ranks 0 .. r - 1). See
+    :func:`~torchrl_flowpolicy.protocol.grouped_training_seed`."""
+    num_groups = config.num_envs // config.group_size
+    first = grouped_training_seed(config.seed, iteration, world_size * num_groups)
+    return first + rank * num_groups
 
 
 def worker_env_factories(
@@ -398,6 +495,10 @@ def make_collector(
 
     Devices: the policy runs on ``device`` (the policy passed must be there), the simulators
     on the CPU (``env_device``), and the batches are stored on ``device``.
+
+    ``--advantage grpo``: the collector resets every environment at the start of each batch
+    (``reset_at_each_iter``), so that seeding it before the batch (``collector.set_seed``
+    with :func:`group_seed`) starts each group from one initial state.
     """
     if config.collector_backend == "ray":
         return make_ray_collector(
@@ -413,6 +514,8 @@ def make_collector(
             total_frames=-1,
             exploration_type=ExplorationType.RANDOM,
             auto_register_policy_transforms=False,  # not recurrent: no InitTracker needed
+            # grpo: every batch starts from fresh (grouped) resets, one episode per env.
+            reset_at_each_iter=config.advantage == "grpo",
             **devices,
         )
     return MultiSyncCollector(
@@ -519,6 +622,38 @@ def episode_success_flags(batch: TensorDictBase) -> torch.Tensor:
     return flags
 
 
+def group_relative_batch(batch: TensorDictBase, config: PPOConfig) -> TensorDictBase:
+    """``--advantage grpo``: the decisions of each environment's first episode, ``[M]``, with
+    its group-relative advantage.
+
+    Environment ``i`` of the ``[num_envs, T]`` batch belongs to group ``i // group_size``
+    (``"group_id"``, stamped on every decision); :class:`GroupRelativeAdvantage` scores the
+    return of its first episode (every environment started one at the batch's reset, and
+    ``T`` covers a whole episode) against its group's; the decisions after an early end (the
+    next episode, which the collector started) are dropped.
+    """
+    environment = torch.arange(batch.shape[0], device=batch.device)
+    batch["group_id"] = (environment // config.group_size).unsqueeze(-1).expand(batch.shape)
+    batch = GroupRelativeAdvantage()(batch)
+    return batch[batch["episode_mask"]]
+
+
+def group_statistics(
+    episodes: TensorDictBase, config: PPOConfig, collected_decisions: int
+) -> dict[str, float]:
+    """``--advantage grpo`` diagnostics of a :func:`group_relative_batch` (whose episodes end
+    in the order of their environments)."""
+    done = episodes["next", "done"].squeeze(-1)
+    returns = episodes["episode_return"][done].reshape(-1, config.group_size)
+    no_spread = returns.amax(-1) == returns.amin(-1)
+    return {
+        "grpo/episode_return": returns.mean().item(),
+        "grpo/group_return_std": returns.std(-1).mean().item(),
+        "grpo/zero_std_groups": no_spread.float().mean().item(),
+        "grpo/kept_decisions": episodes.numel() / collected_decisions,
+    }
+
+
 def ppo_iteration(
     learner: Learner,
     batch: TensorDictBase,
@@ -530,13 +665,19 @@ def ppo_iteration(
 
     The critic is always trained, the actor only with ``train_actor``. Returns the loss
     entries averaged over the minibatches and the batch's training statistics.
+    ``--advantage grpo``: the group-relative advantage of each environment's first episode
+    (:func:`group_relative_batch`) instead of GAE, and the actor alone is trained.
     """
     policy, critic, loss_module = learner.policy, learner.critic, learner.loss_module
     batch["next", "reward"] = batch["next", "reward"] * config.reward_scale
     if config.bc_coeff > 0:
         batch["success"] = episode_success_flags(batch)
-    with torch.no_grad():
-        loss_module.value_estimator(batch)
+    collected_decisions = batch.numel()
+    if critic is None:  # grpo
+        batch = group_relative_batch(batch, config)
+    else:
+        with torch.no_grad():
+            loss_module.value_estimator(batch)
     replay_buffer.empty()
     replay_buffer.extend(batch.reshape(-1))
     metrics: dict[str, list[float]] = {}
@@ -550,15 +691,22 @@ def ppo_iteration(
             for name in ("loss_kl", "loss_bc"):
                 if name in losses.keys():
                     actor_loss = actor_loss + losses[name]
-            learner.critic_optimizer.zero_grad(set_to_none=True)
-            learner.actor_optimizer.zero_grad(set_to_none=True)
-            (losses["loss_critic"] + (actor_loss if train_actor else 0.0)).backward()
-            average_gradients([*critic.parameters(), *policy.parameters()])  # over the ranks
-            torch.nn.utils.clip_grad_norm_(critic.parameters(), config.max_grad_norm)
-            learner.critic_optimizer.step()
-            if train_actor:
+            if critic is None:  # grpo: the actor alone
+                learner.actor_optimizer.zero_grad(set_to_none=True)
+                actor_loss.backward()
+                average_gradients(list(policy.parameters()))  # over the ranks
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
                 learner.actor_optimizer.step()
+            else:
+                learner.critic_optimizer.zero_grad(set_to_none=True)
+                learner.actor_optimizer.zero_grad(set_to_none=True)
+                (losses["loss_critic"] + (actor_loss if train_actor else 0.0)).backward()
+                average_gradients([*critic.parameters(), *policy.parameters()])  # over the ranks
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), config.max_grad_norm)
+                learner.critic_optimizer.step()
+                if train_actor:
+                    torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+                    learner.actor_optimizer.step()
             for name, value in losses.items():
                 metrics.setdefault(name, []).append(float(value.detach()))
 
@@ -568,6 +716,8 @@ def ppo_iteration(
     row["train/episode_success"] = train_success.mean().item() if done.any() else 0.0
     row["train/chunk_reward"] = batch["next", "reward"].mean().item()
     row["log_prob_drift_before_update"] = fresh_drift
+    if critic is None:
+        row.update(group_statistics(batch, config, collected_decisions))
     return row
 
 
@@ -579,9 +729,11 @@ def save_ppo_run(
     env_steps: int,
     history: list[dict],
     task: str,
+    advantage: str = "gae",
 ) -> None:
     """The run checkpoint ``--resume`` reads (``examples/evaluate.py`` reads its policy);
-    ``task`` and ``model_config`` are what :func:`run_identity` compares on resume."""
+    ``task``, ``model_config`` and ``advantage`` are what :func:`run_identity` compares on
+    resume. With ``--advantage grpo`` it holds no critic."""
     save_run(
         path,
         learner.trained(),
@@ -590,13 +742,18 @@ def save_ppo_run(
         history=json.dumps(history),
         model_config=dataclasses.asdict(model_config),
         task=task,
+        advantage=advantage,
     )
 
 
 def run_identity(config: PPOConfig, model_config: ModelConfig) -> dict[str, Any]:
-    """What a resumed checkpoint must share with this run: the task and the architecture
-    (chunking included) of the pretrained policy."""
-    return {"task": config.task, "model_config": dataclasses.asdict(model_config)}
+    """What a resumed checkpoint must share with this run: the task, the architecture
+    (chunking included) of the pretrained policy and the advantage (a critic or none)."""
+    return {
+        "task": config.task,
+        "model_config": dataclasses.asdict(model_config),
+        "advantage": config.advantage,
+    }
 
 
 def evaluation_record(
@@ -713,7 +870,8 @@ def main(config: PPOConfig) -> dict:
         if world_size > 1:  # the checkpoint holds rank 0's RNG state: one stream per rank
             torch.manual_seed(config.seed + rank + 1000 * iteration)
     broadcast_parameters(learner.policy)  # every rank starts from rank 0's weights
-    broadcast_parameters(learner.critic)
+    if learner.critic is not None:
+        broadcast_parameters(learner.critic)
 
     # Collector (a batch: episodes_per_batch full-length episodes' decisions per env),
     # minibatch sampler, logger.
@@ -737,12 +895,14 @@ def main(config: PPOConfig) -> dict:
     policy_weights = TensorDict.from_module(policy)  # a view: always the current weights
     while env_steps < config.total_env_steps:
         collected = time.perf_counter()
+        if config.advantage == "grpo":  # every group starts this batch from one state
+            collector.set_seed(group_seed(config, iteration, rank, world_size))
         batch = next(batches)
         collect_seconds = time.perf_counter() - collected
         iteration += 1
         batch_steps = sum_over_processes(count_env_steps(batch))  # of all ranks
         env_steps += batch_steps
-        train_actor = iteration > config.critic_warmup_iterations
+        train_actor = config.advantage == "grpo" or iteration > config.critic_warmup_iterations
         row = ppo_iteration(learner, batch, replay_buffer, config, train_actor)
         collector.update_policy_weights_(policy_weights)  # the workers sample with them next
         row["iteration"] = iteration
@@ -765,7 +925,14 @@ def main(config: PPOConfig) -> dict:
             log({name.replace("loss_", "loss/"): value for name, value in row.items()}, env_steps)
         if main_process and iteration % config.checkpoint_every == 0:
             save_ppo_run(
-                run_checkpoint, learner, model_config, iteration, env_steps, history, config.task
+                run_checkpoint,
+                learner,
+                model_config,
+                iteration,
+                env_steps,
+                history,
+                config.task,
+                config.advantage,
             )
         progress.update(batch_steps)
     progress.close()
@@ -779,7 +946,16 @@ def main(config: PPOConfig) -> dict:
     close_distributed()  # no collective call follows: rank 0 alone finishes the run
     if not main_process:
         return {}
-    save_ppo_run(run_checkpoint, learner, model_config, iteration, env_steps, history, config.task)
+    save_ppo_run(
+        run_checkpoint,
+        learner,
+        model_config,
+        iteration,
+        env_steps,
+        history,
+        config.task,
+        config.advantage,
+    )
 
     # Final evaluation (a history row unless the last iteration had one), held-out protocol
     # (BC and PPO under both decodings, the expert), plot, summary.

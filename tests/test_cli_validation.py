@@ -59,6 +59,67 @@ def test_out_of_bounds_options_exit_with_an_error_naming_the_option(
     assert flag in error and "must be" in error, error
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (
+            ["--num_envs", "10", "--group_size", "4"],
+            "--num_envs 10: must be a multiple of --group_size 4",
+        ),
+        (["--group_size", "1"], "--group_size 1: must be >= 2"),
+        (
+            ["--num_envs", "2002", "--group_size", "2"],
+            "--num_envs 2002: must be at most 1000 groups",
+        ),
+        (["--episodes_per_batch", "2"], "--episodes_per_batch 2: must be 1 with --advantage grpo"),
+        (
+            ["--collector_workers", "2"],
+            "--collector_workers 2 --collector_backend process: must be 1",
+        ),
+        (["--collector_backend", "ray"], "--collector_backend ray: must be 1 and process"),
+    ],
+)
+def test_grpo_options_that_contradict_each_other_exit_with_an_error_naming_them(
+    argv, named, examples_on_path, capsys
+):
+    import ppo
+
+    with pytest.raises(SystemExit) as exit_:
+        ppo.parse_args(["--advantage", "grpo", *argv])
+    assert exit_.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_grpo_options_are_checked_in_grpo_mode_only(examples_on_path):
+    import ppo
+
+    gae = ppo.parse_args(["--num_envs", "10", "--group_size", "4", "--collector_workers", "2"])
+    assert (gae.advantage, gae.num_envs) == ("gae", 10)
+    quick = ppo.parse_args(["--quick", "--advantage", "grpo"])
+    assert (quick.num_envs, quick.group_size) == (4, 2)
+    lift = ppo.parse_args(["--task", "lift", "--advantage", "grpo"])
+    assert lift.num_envs % lift.group_size == 0
+
+
+def test_main_refuses_contradicting_grpo_options_built_in_code(
+    examples_on_path, monkeypatch, tmp_path
+):
+    import ppo
+    import pretrain
+
+    monkeypatch.setattr(pretrain, "main", stop)  # no work may start
+    config = ppo.PPOConfig(
+        advantage="grpo",
+        num_envs=6,
+        group_size=4,
+        output_dir=str(tmp_path / "out"),
+        pretrained_checkpoint=str(tmp_path / "bc.pt"),
+    )
+    with pytest.raises(ValueError, match="--num_envs 6: must be a multiple of --group_size 4"):
+        ppo.main(config)
+    assert not (tmp_path / "out").exists()
+
+
 def test_pretrain_command_line_is_validated(examples_on_path, capsys):
     import pretrain
     from common import parse_config
@@ -143,6 +204,7 @@ def foreign_checkpoint(path: Path, model_config, **changes):
 
     identity = {
         "task": "pusher",
+        "advantage": "gae",
         "model_config": dataclasses.asdict(model_config),
         "networks": {"hidden_dim": 64, "num_layers": 3},
     }
@@ -178,6 +240,19 @@ def test_resuming_another_runs_checkpoint_names_the_fields_that_differ(
     with pytest.raises(ValueError, match="saved by another run") as error:
         module.main(config)
     assert named in str(error.value)
+
+
+@pytest.mark.parametrize(("saved", "this_run"), [("grpo", "gae"), ("gae", "grpo")])
+def test_ppo_resume_with_the_other_advantage_names_it(
+    saved, this_run, examples_on_path, monkeypatch, tmp_path
+):
+    # A GAE checkpoint holds a critic, a GRPO one none: resuming across them is refused.
+    module, config = run_config("ppo", tmp_path, "--advantage", this_run)
+    model_config = save_tiny_pretrained(tmp_path / "bc.pt")
+    foreign_checkpoint(tmp_path / "run" / "checkpoint.pt", model_config, advantage=saved)
+    monkeypatch.setattr(module, "make_eval_env", stop)
+    with pytest.raises(ValueError, match=f"advantage: saved '{saved}', this run '{this_run}'"):
+        module.main(config)
 
 
 def test_dsrl_resume_with_other_sac_network_sizes_names_them(
