@@ -136,3 +136,46 @@ def test_quick_lift_chain(tmp_path, check_protocol_fields):
     check_protocol_fields(summary, result.stdout, "PPO", "noise_free")
     assert summary["held_out"]["success"]["expert"]["rate"] > 0.5
     assert (tmp_path / "demos" / "lift_T60_action_noise0.3_n3_seed0.pt").exists()
+
+
+@pytest.mark.slow
+def test_quick_grpo_run_without_a_critic_then_resumed(tmp_path, check_protocol_fields):
+    # --advantage grpo: 2 groups of 2 environments, no critic; two iterations, then one more
+    # after --resume (the checkpoint holds no critic).
+    environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
+    grpo = ("--advantage", "grpo", "--eval_every", "1")
+    first = subprocess.run(
+        command(tmp_path, *grpo, "--total_env_steps", "1200"),
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    state = load_checkpoint(tmp_path / "ppo" / "checkpoint.pt")
+    assert state["advantage"] == "grpo" and "critic" not in state and state["iteration"] == 2
+
+    resumed = subprocess.run(
+        command(tmp_path, *grpo, "--total_env_steps", "1800", "--resume"),
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from iteration 2" in resumed.stdout
+    summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
+    assert (summary["config"]["advantage"], summary["config"]["group_size"]) == ("grpo", 2)
+    assert summary["env_steps"] == 1800 and summary["iterations"] == 3
+    assert [row["iteration"] for row in summary["history"]] == [1, 2, 3]
+    check_protocol_fields(summary, resumed.stdout, "PPO", "noise_free")
+    (scalars,) = (tmp_path / "ppo" / "csv").glob("*/scalars")
+    for name in ("zero_std_groups", "kept_decisions", "episode_return", "group_return_std"):
+        rows = (scalars / "grpo" / f"{name}.csv").read_text().split()
+        assert len(rows) == 3, name
+    kept = (scalars / "grpo" / "kept_decisions.csv").read_text().split()
+    assert [row.split(",")[1] for row in kept] == ["1.0"] * 3  # Pusher: no episode ends early
+    assert not (scalars / "loss" / "critic.csv").exists()
+    assert not (scalars / "explained_variance.csv").exists()
