@@ -409,7 +409,8 @@ def check_config(config: PPOConfig, world_size: int) -> torch.device:
     """Refuse, before any work, what the run could not do; returns the run's device.
 
     Raises:
-        ValueError: a number outside its option's bounds (:func:`common.validate_config`);
+        ValueError: a number outside its option's bounds, or options that contradict each
+            other (:meth:`PPOConfig.option_conflicts`; :func:`common.validate_config`);
             an unavailable ``--device``; ``num_envs`` not a multiple of
             ``collector_workers``; the Ray backend under ``torchrun``.
         ImportError: ``--collector_backend ray`` without ``ray`` installed.
