@@ -503,3 +503,21 @@ def test_log_prob_drift_on_fresh_data_is_at_float_precision(mode, batch_shape):
     assert out["log_prob_drift"] <= 1e-5
     torch.testing.assert_close(out["mean_ratio"], torch.tensor(1.0), rtol=0, atol=1e-5)
     assert out["clip_fraction"] == 0
+
+
+def test_single_step_policy_with_a_bfloat16_network_and_a_float32_head():
+    # The head keeps its own dtype; the chain, the std and the log-probs stay float32, and
+    # the stored std of a single-step policy drops the row dimension like its chain.
+    torch.manual_seed(0)
+    network = MLPVelocityNetwork(OBSERVATION_DIM, (1, 3), hidden_dim=32).to(torch.bfloat16)
+    head = NoiseHead(OBSERVATION_DIM, (1, 3), min_std=0.02, max_std=0.5)
+    perturb(head, 0.3)
+    policy = FlowSDEPolicy(network, action_shape=(3,), noise_head=head, sde_mode="all", num_steps=4)
+    data = collect(policy, (7,))
+    assert data["action"].shape == (7, 3) and data[CHAIN].shape == (7, 5, 3)
+    assert data[STEP_STD].shape == (7, 4, 3) and data[STEP_STD].dtype == torch.float32
+    assert policy.spec[STEP_STD].shape == (4, 3)
+    torch.testing.assert_close(policy.log_prob(data), data[STEP_LOG_PROB], rtol=0, atol=1e-5)
+    steps = policy.stochastic_steps(data)
+    assert steps.std.shape == (int(data[SDE_MASK].sum()), 1, 3)
+    torch.testing.assert_close(steps.std[:, 0], data[STEP_STD][data[SDE_MASK]])
