@@ -48,6 +48,7 @@ from torchrl_flowpolicy.envs import TASKS, get_task, make_chunked_env
 from torchrl_flowpolicy.evaluation import evaluate_decodings
 from torchrl_flowpolicy.networks import (
     ActionExpertTransformer,
+    NoiseHead,
     ObservationEncoder,
     ObservationNormalizer,
 )
@@ -417,6 +418,21 @@ def build_policy(
     )
 
 
+def build_noise_head(
+    model_config: ModelConfig, min_std: float, max_std: float, initial_std: float | None = None
+) -> NoiseHead:
+    """The learned exploration noise of :func:`build_policy`'s policy: a
+    :class:`~torchrl_flowpolicy.networks.NoiseHead` on the encoder's context tokens
+    (``num_context_tokens * model_dim`` features), std in ``[min_std, max_std]``."""
+    return NoiseHead(
+        model_config.num_context_tokens * model_config.model_dim,
+        (model_config.chunk_length, model_config.action_dim),
+        min_std=min_std,
+        max_std=max_std,
+        initial_std=initial_std,
+    )
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def save_policy(path: Path, policy: FlowSDEPolicy, model_config: ModelConfig, **extra) -> None:
     """An atomic policy checkpoint: architecture, weights (with normaliser) and ``extra``."""
@@ -427,12 +443,18 @@ def save_policy(path: Path, policy: FlowSDEPolicy, model_config: ModelConfig, **
 
 def load_policy(path: Path, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig, dict]:
     """Rebuild a policy saved by :func:`save_policy` (or :func:`save_run` with a ``"policy"``
-    and a ``"model_config"``); returns it, its config and the whole checkpoint."""
+    and a ``"model_config"``); returns it, its config and the whole checkpoint.
+
+    A checkpoint whose ``"noise"`` entry is ``{"kind": "learned", "min_std", "max_std"}`` (a
+    PPO run with ``--noise learned``) gets its noise head back (:func:`build_noise_head`)."""
     state = load_checkpoint(path)
     model_config = ModelConfig(**state["model_config"])
     size = model_config.observation_dim
     normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
     policy = build_policy(model_config, normalizer, **sampler)
+    noise = state.get("noise", {})
+    if noise.get("kind") == "learned":
+        policy.noise_head = build_noise_head(model_config, noise["min_std"], noise["max_std"])
     policy.load_state_dict(state["policy"])
     return policy, model_config, state
 

@@ -40,6 +40,13 @@ both decodings, the expert), learner (critic, loss, optimisers), resume, collect
 loop (one PPO iteration per batch, evaluate, log, checkpoint), final evaluation, held-out
 protocol, plot, summary. ``--quick`` runs the whole chain in about a minute; ``--resume``
 continues a killed run.
+
+``--noise learned`` replaces the fixed Flow-SDE noise with a learned one (pi-RL's Flow-Noise,
+ReinFlow): a noise head, created fresh at the start of RL (the pretrained checkpoint has
+none), predicts the std of every stochastic step on the Euler ODE mean, bounded in
+``[min_noise_std, max_noise_std]``; it is trained with the policy (its own learning rate),
+``--entropy_coeff`` gives the entropy bonus a gradient, and the head is saved in the run
+checkpoint (``docs/learned_noise.md``).
 """
 
 from __future__ import annotations
@@ -96,6 +103,7 @@ from common import (
     MetricLogger,
     ModelConfig,
     TaskOptions,  # noqa: E402
+    build_noise_head,
     curve_baselines,
     decisions_per_episode,
     held_out_protocol,
@@ -167,6 +175,20 @@ class PPOConfig(TaskOptions):
         "last", "stochastic steps: one random step (mixed), the last num_sde_steps, all"
     )
     num_sde_steps: int = option(4, "stochastic steps for sde_mode=last", minimum=0)
+    noise: Literal["fixed", "learned"] = option(
+        "fixed",
+        "noise of the stochastic steps: fixed (Flow-SDE, g = a sqrt(sigma / (1 - sigma))) or "
+        "learned (a fresh noise head's std on the Euler ODE mean: Flow-Noise, ReinFlow)",
+    )
+    min_noise_std: float = option(0.02, "noise=learned: lower bound of the step std", above=0)
+    max_noise_std: float = option(0.3, "noise=learned: upper bound of the step std", above=0)
+    initial_noise_std: float = option(
+        0.08, "noise=learned: the fresh head's std, everywhere (inside the bounds)", above=0
+    )
+    noise_learning_rate: float = option(3e-4, "noise=learned: Adam on the noise head", above=0)
+    entropy_coeff: float = option(
+        0.0, "entropy bonus (0: off; it has a gradient with noise=learned only)", minimum=0
+    )
     # PPO.
     advantage: Literal["gae", "grpo"] = option(
         "gae",
@@ -369,38 +391,46 @@ class Learner:
         return {name: item for name, item in trained.items() if item is not None}
 
 
+def actor_optimizer_for(policy: FlowSDEPolicy, config: PPOConfig) -> torch.optim.Optimizer:
+    """Adam on the flow policy; a learned noise head (``--noise learned``) is fresh and gets
+    its own learning rate."""
+    actor_parameters: Any = policy.parameters()
+    if policy.noise_head is not None:
+        head = list(policy.noise_head.parameters())
+        flow_parameters = [p for p in policy.parameters() if all(p is not h for h in head)]
+        actor_parameters = [
+            {"params": flow_parameters},
+            {"params": head, "lr": config.noise_learning_rate},
+        ]
+    return torch.optim.Adam(actor_parameters, lr=config.actor_learning_rate)
+
+
 def make_learner(policy: FlowSDEPolicy, config: PPOConfig, executed_chunk_length: int) -> Learner:
     """Critic, ``DenoisingClipPPOLoss`` with GAE over decisions, one Adam for each network.
 
     ``--advantage grpo``: no critic; the loss reads the group-relative advantage that
     :func:`group_relative_batch` writes, unnormalised (it is normalised per group already).
     """
+    actor_options = {
+        "clip_epsilon": (config.clip_epsilon_low, config.clip_epsilon_high),
+        "kl_coeff": config.kl_coeff,
+        "bc_coeff": config.bc_coeff,
+        "entropy_bonus": config.entropy_coeff > 0,
+        "entropy_coeff": config.entropy_coeff,
+    }
+    actor_optimizer = actor_optimizer_for(policy, config)
     if config.advantage == "grpo":
-        loss_module = DenoisingClipPPOLoss(
-            policy,
-            clip_epsilon=(config.clip_epsilon_low, config.clip_epsilon_high),
-            kl_coeff=config.kl_coeff,
-            bc_coeff=config.bc_coeff,
-            normalize_advantage=False,
-        )
-        actor_optimizer = torch.optim.Adam(policy.parameters(), lr=config.actor_learning_rate)
+        loss_module = DenoisingClipPPOLoss(policy, **actor_options, normalize_advantage=False)
         return Learner(policy, None, loss_module, actor_optimizer, None)
     critic = make_critic(policy)
     loss_module = DenoisingClipPPOLoss(
-        policy,
-        critic,
-        clip_epsilon=(config.clip_epsilon_low, config.clip_epsilon_high),
-        kl_coeff=config.kl_coeff,
-        bc_coeff=config.bc_coeff,
-        normalize_advantage=True,
-        loss_critic_type="l2",
+        policy, critic, **actor_options, normalize_advantage=True, loss_critic_type="l2"
     )
     loss_module.make_value_estimator(
         ValueEstimators.GAE,
         gamma=decision_discount(config.gamma, executed_chunk_length),
         lmbda=config.gae_lambda,
     )
-    actor_optimizer = torch.optim.Adam(policy.parameters(), lr=config.actor_learning_rate)
     critic_optimizer = torch.optim.Adam(critic.parameters(), lr=config.critic_learning_rate)
     return Learner(policy, critic, loss_module, actor_optimizer, critic_optimizer)
 
@@ -417,6 +447,14 @@ def check_config(config: PPOConfig, world_size: int) -> torch.device:
         FileNotFoundError: ``--resume`` without a checkpoint in ``output_dir``.
     """
     validate_config(config)
+    if config.noise == "learned" and not (
+        config.min_noise_std < config.initial_noise_std < config.max_noise_std
+    ):
+        raise ValueError(
+            f"--noise learned needs --min_noise_std < --initial_noise_std < --max_noise_std, "
+            f"got {config.min_noise_std} < {config.initial_noise_std} < {config.max_noise_std}: "
+            f"the std is squashed into [min, max] and starts strictly inside."
+        )
     device = resolve_device(config.device)
     workers = config.collector_workers
     if workers < 1 or config.num_envs % workers:
@@ -692,6 +730,8 @@ def ppo_iteration(
             for name in ("loss_kl", "loss_bc"):
                 if name in losses.keys():
                     actor_loss = actor_loss + losses[name]
+            if config.entropy_coeff > 0:
+                actor_loss = actor_loss + losses["loss_entropy"]
             if critic is None:  # grpo: the actor alone
                 learner.actor_optimizer.zero_grad(set_to_none=True)
                 actor_loss.backward()
@@ -719,6 +759,8 @@ def ppo_iteration(
     row["log_prob_drift_before_update"] = fresh_drift
     if critic is None:
         row.update(group_statistics(batch, config, collected_decisions))
+    if ("flow", "step_std") in batch.keys(True):  # the rollouts' learned std
+        row["train/noise_std"] = batch["flow", "step_std"][batch["flow", "sde_mask"]].mean().item()
     return row
 
 
@@ -733,8 +775,14 @@ def save_ppo_run(
     advantage: str = "gae",
 ) -> None:
     """The run checkpoint ``--resume`` reads (``examples/evaluate.py`` reads its policy);
-    ``task``, ``model_config`` and ``advantage`` are what :func:`run_identity` compares on
-    resume. With ``--advantage grpo`` it holds no critic."""
+    ``task``, ``model_config``, ``advantage`` and the policy's ``noise``
+    (:func:`noise_identity`) are what :func:`run_identity` compares on resume; ``noise`` also
+    tells ``common.load_policy`` to rebuild the noise head. With ``--advantage grpo`` it holds
+    no critic."""
+    head = learner.policy.noise_head
+    noise = {"kind": "fixed"}
+    if head is not None:
+        noise = {"kind": "learned", "min_std": head.min_std, "max_std": head.max_std}
     save_run(
         path,
         learner.trained(),
@@ -744,16 +792,27 @@ def save_ppo_run(
         model_config=dataclasses.asdict(model_config),
         task=task,
         advantage=advantage,
+        noise=noise,
     )
+
+
+def noise_identity(config: PPOConfig) -> dict[str, Any]:
+    """The exploration noise of the run: its kind, and the learned std's bounds (as
+    :func:`save_ppo_run` records them from the policy)."""
+    if config.noise == "fixed":
+        return {"kind": "fixed"}
+    return {"kind": "learned", "min_std": config.min_noise_std, "max_std": config.max_noise_std}
 
 
 def run_identity(config: PPOConfig, model_config: ModelConfig) -> dict[str, Any]:
     """What a resumed checkpoint must share with this run: the task, the architecture
-    (chunking included) of the pretrained policy and the advantage (a critic or none)."""
+    (chunking included) of the pretrained policy, the advantage (a critic or none) and the
+    kind of exploration noise."""
     return {
         "task": config.task,
         "model_config": dataclasses.asdict(model_config),
         "advantage": config.advantage,
+        "noise": noise_identity(config),
     }
 
 
@@ -852,6 +911,10 @@ def main(config: PPOConfig) -> dict:
     run_checkpoint = output_dir / "checkpoint.pt"
     saved = load_run(run_checkpoint, run_identity(config, model_config)) if config.resume else None
     bc_policy = copy.deepcopy(policy)  # the pretrained policy, for the held-out protocol
+    if config.noise == "learned":  # the pretrained policy has none: a fresh head for RL
+        policy.noise_head = build_noise_head(
+            model_config, config.min_noise_std, config.max_noise_std, config.initial_noise_std
+        ).to(device)
     executed = model_config.executed_chunk_length
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
 

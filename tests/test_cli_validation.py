@@ -41,6 +41,11 @@ def stop(*args, **kwargs):
         ("ppo", ["--gamma", "nan"], "--gamma nan"),
         ("ppo", ["--pretrain.train_steps", "0"], "--pretrain.train_steps 0"),
         ("ppo", ["--pretrain.model.executed_chunk_length", "0"], "executed_chunk_length 0"),
+        ("ppo", ["--min_noise_std", "0"], "--min_noise_std 0.0"),
+        ("ppo", ["--max_noise_std=-0.3"], "--max_noise_std -0.3"),
+        ("ppo", ["--initial_noise_std", "nan"], "--initial_noise_std nan"),
+        ("ppo", ["--noise_learning_rate", "0"], "--noise_learning_rate 0.0"),
+        ("ppo", ["--entropy_coeff=-0.01"], "--entropy_coeff -0.01"),
         ("dsrl", ["--batch_size", "0"], "--batch_size 0"),
         ("dsrl", ["--critic_learning_rate", "-1"], "--critic_learning_rate -1.0"),
         ("dsrl", ["--tau", "1.5"], "--tau 1.5"),
@@ -159,6 +164,32 @@ def test_main_refuses_an_out_of_bounds_config_built_in_code(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [
+        (["--min_noise_std", "0.5"], "got 0.5 < 0.08 < 0.3"),
+        (["--max_noise_std", "0.05"], "got 0.02 < 0.08 < 0.05"),
+        (["--initial_noise_std", "0.3"], "got 0.02 < 0.3 < 0.3"),
+    ],
+)
+def test_learned_noise_bounds_that_do_not_nest_are_refused_before_any_work(
+    options, shown, examples_on_path, monkeypatch, tmp_path
+):
+    import ppo
+    import pretrain
+
+    monkeypatch.setattr(pretrain, "main", stop)  # no work may start
+    config = ppo.parse_args(
+        ["--quick", "--noise", "learned", "--output_dir", str(tmp_path / "out"),
+         "--pretrained_checkpoint", str(tmp_path / "bc.pt"), *options]
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="--min_noise_std < --initial_noise_std < --max_noise_std"):
+        ppo.main(config)
+    with pytest.raises(ValueError, match=shown):
+        ppo.check_config(config, world_size=1)
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------- resume
 def run_config(script: str, tmp_path: Path, *options: str):
     """A ``--resume`` config of ``script`` whose pretrained checkpoint is ``tmp_path/bc.pt``."""
@@ -253,6 +284,47 @@ def test_ppo_resume_with_the_other_advantage_names_it(
     monkeypatch.setattr(module, "make_eval_env", stop)
     with pytest.raises(ValueError, match=f"advantage: saved '{saved}', this run '{this_run}'"):
         module.main(config)
+
+
+@pytest.mark.parametrize(
+    ("saved_noise", "options", "named"),
+    [
+        (
+            {"kind": "fixed"},
+            ["--noise", "learned"],
+            "noise.kind: saved 'fixed', this run 'learned'",
+        ),
+        (
+            {"kind": "learned", "min_std": 0.02, "max_std": 0.3},
+            [],
+            "noise.kind: saved 'learned', this run 'fixed'",
+        ),
+        (
+            {"kind": "learned", "min_std": 0.01, "max_std": 0.3},
+            ["--noise", "learned"],
+            "noise.min_std: saved 0.01, this run 0.02",
+        ),
+    ],
+)
+def test_ppo_resume_with_another_exploration_noise_names_it(
+    saved_noise, options, named, examples_on_path, monkeypatch, tmp_path
+):
+    from common import save_run
+
+    module, config = run_config("ppo", tmp_path, *options)
+    model_config = save_tiny_pretrained(tmp_path / "bc.pt")
+    path = tmp_path / "run" / "checkpoint.pt"
+    path.parent.mkdir(parents=True)
+    identity = {
+        "task": "pusher",
+        "model_config": dataclasses.asdict(model_config),
+        "advantage": "gae",
+    }
+    save_run(path, {}, iteration=1, noise=saved_noise, **identity)
+    monkeypatch.setattr(module, "make_eval_env", stop)
+    with pytest.raises(ValueError, match="saved by another run") as error:
+        module.main(config)
+    assert named in str(error.value)
 
 
 def test_dsrl_resume_with_other_sac_network_sizes_names_them(

@@ -301,3 +301,64 @@ def test_run_checkpoint_round_trip_restores_state_and_random_stream(examples_on_
     torch.testing.assert_close(other.weight, network.weight, rtol=0, atol=0)
     assert other_optimizer.state_dict()["state"][0]["step"] == 1
     torch.testing.assert_close(torch.rand(3), expected_draw, rtol=0, atol=0)
+
+
+def test_learned_noise_head_is_saved_with_the_run_and_rebuilt_on_load(examples_on_path, tmp_path):
+    # --noise learned: the fresh head trains at its own learning rate, is saved with the run,
+    # comes back with examples/evaluate.py's load_policy and with --resume's resume_run.
+    import ppo
+    from common import (
+        ModelConfig,
+        build_noise_head,
+        build_policy,
+        load_policy,
+        load_run,
+        resume_run,
+    )
+
+    config = ppo.parse_args(
+        ["--quick", "--noise", "learned", "--min_noise_std", "0.01", "--max_noise_std", "0.4",
+         "--noise_learning_rate", "1e-3"]
+    )  # fmt: skip
+    model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
+    size = model_config.observation_dim
+    normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
+
+    def make_learner(seed: int, noise: bool = True):
+        torch.manual_seed(seed)
+        policy = build_policy(model_config, normalizer)
+        if noise:
+            policy.noise_head = build_noise_head(
+                model_config, config.min_noise_std, config.max_noise_std, config.initial_noise_std
+            )
+        return ppo.make_learner(policy, config, model_config.executed_chunk_length)
+
+    fixed = make_learner(0, noise=False)  # the default: one group, every policy parameter
+    (group,) = fixed.actor_optimizer.param_groups
+    assert len(group["params"]) == len(list(fixed.policy.parameters()))
+    learner = make_learner(0)
+    flow_group, head_group = learner.actor_optimizer.param_groups
+    assert (flow_group["lr"], head_group["lr"]) == (config.actor_learning_rate, 1e-3)
+    head = learner.policy.noise_head
+    assert {id(p) for p in head_group["params"]} == {id(p) for p in head.parameters()}
+    assert len(flow_group["params"]) + len(head_group["params"]) == len(
+        list(learner.policy.parameters())
+    )
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    path = tmp_path / "checkpoint.pt"
+    ppo.save_ppo_run(path, learner, model_config, 3, 100, [], "pusher")
+
+    loaded, _, state = load_policy(path)
+    assert state["noise"] == ppo.noise_identity(config)
+    assert state["noise"] == {"kind": "learned", "min_std": 0.01, "max_std": 0.4}
+    assert (loaded.noise_head.min_std, loaded.noise_head.max_std) == (0.01, 0.4)
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded.noise_head.state_dict()[name], value), name
+
+    resumed = make_learner(1)
+    resume_run(load_run(path, ppo.run_identity(config, model_config)), resumed.trained())
+    for name, value in head.state_dict().items():
+        assert torch.equal(resumed.policy.noise_head.state_dict()[name], value), name
+    assert resumed.actor_optimizer.param_groups[1]["lr"] == 1e-3

@@ -179,3 +179,49 @@ def test_quick_grpo_run_without_a_critic_then_resumed(tmp_path, check_protocol_f
     assert [row.split(",")[1] for row in kept] == ["1.0"] * 3  # Pusher: no episode ends early
     assert not (scalars / "loss" / "critic.csv").exists()
     assert not (scalars / "explained_variance.csv").exists()
+
+
+@pytest.mark.slow
+def test_quick_run_with_learned_noise_saves_and_resumes_the_head(tmp_path, check_protocol_fields):
+    # --noise learned: a fresh noise head on the pretrained policy, trained (with an entropy
+    # bonus), saved in the run checkpoint; a --resume continues with it.
+    environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
+    learned = ["--noise", "learned", "--entropy_coeff", "0.01"]
+    first = subprocess.run(
+        command(tmp_path, *learned, "--total_env_steps", "1200"),
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    checkpoint = tmp_path / "ppo" / "checkpoint.pt"
+    saved = load_checkpoint(checkpoint)
+    assert saved["noise"] == {"kind": "learned", "min_std": 0.02, "max_std": 0.3}
+    head = {name: value for name, value in saved["policy"].items() if "noise_head." in name}
+    assert head and all(torch.isfinite(value).all() for value in head.values())
+    # The output layer starts at zero: the actor update (iteration 2) has moved it.
+    assert head["noise_head.mlp.4.weight"].abs().sum() > 0
+
+    resumed = subprocess.run(
+        command(tmp_path, *learned, "--resume"),
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from iteration 2" in resumed.stdout
+    summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
+    assert summary["config"]["noise"] == "learned" and summary["iterations"] == 4
+    check_protocol_fields(summary, resumed.stdout, "PPO", "noise_free")
+    final = load_checkpoint(checkpoint)
+    assert final["iteration"] == 4
+    assert not torch.equal(
+        final["policy"]["noise_head.mlp.4.weight"], head["noise_head.mlp.4.weight"]
+    )
+    noise_std = tmp_path / "ppo" / "csv" / "ppo_seed0" / "scalars" / "train" / "noise_std.csv"
+    rows = [line.split(",") for line in noise_std.read_text().split()]
+    assert len(rows) == 4 and all(0.02 <= float(value) <= 0.3 for _, value in rows)

@@ -9,6 +9,8 @@ Both networks follow the library's call signature ``network(x, sigma, context) -
   attend (self-attention) to each other and (cross-attention) to context tokens computed once
   per decision by the encoder, the pattern of the pi0 / Fast-WAM action expert reusing its
   prefix cache for every denoising step.
+* :class:`NoiseHead`: the learned exploration noise, ``(x, sigma, context) -> std`` with the
+  same call signature, bounded in ``[min_std, max_std]`` (pi-RL's Flow-Noise, ReinFlow).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from torchrl_flowpolicy.flow.noise import bounded_std, bounded_std_logit, check_std_bounds
+
 __all__ = [
     "TimeReversedVelocity",
     "SigmaEmbedding",
@@ -26,6 +30,7 @@ __all__ = [
     "MLPVelocityNetwork",
     "ObservationEncoder",
     "ActionExpertTransformer",
+    "NoiseHead",
 ]
 
 
@@ -273,3 +278,99 @@ class ActionExpertTransformer(nn.Module):
         tokens = tokens + self.sigma_embedding(sigma)[:, None, :]
         tokens = self.decoder(tokens, context.to(tokens.dtype))
         return self.output(tokens)
+
+
+class NoiseHead(nn.Module):
+    """The learned exploration noise: ``(x [N, H, D], sigma [N], context) -> std [N, H, D]``.
+
+    A small MLP on the flattened ``x_k``, a sinusoidal embedding of ``sigma_k`` and the
+    flattened per-decision context (the policy's encoder output, computed once per decision,
+    or the observation) predicts one raw value per chunk entry; the std is that value
+    squashed into ``[min_std, max_std]`` by a sigmoid in log space
+    (:func:`~torchrl_flowpolicy.flow.bounded_std`), so it can neither collapse nor explode.
+    Passed to :class:`~torchrl_flowpolicy.FlowSDEPolicy` as ``noise_head``, it turns the
+    stochastic steps into ``x_{k+1} = x_k + v_k Delta_k + std_k xi_k``: the noise network of
+    pi-RL's Flow-Noise (Chen et al., 2025) and of ReinFlow (Zhang et al., 2025).
+
+    Initialisation: the output layer's weights are zero and its bias is the raw value of
+    ``initial_std`` (:func:`~torchrl_flowpolicy.flow.bounded_std_logit`), so the head starts
+    at exactly ``initial_std`` for every input; the hidden layers keep PyTorch's default
+    initialisation and receive gradients once the output weights have moved.
+
+    Args:
+        context_dim: the number of features of the flattened context of one decision (``O``
+            for an observation; ``T * model_dim`` for an encoder's ``T`` tokens).
+        action_shape: ``(H, D)``, the chunk shape the policy's network sees.
+
+    Keyword Args:
+        min_std: the lower bound of the std (finite, > 0).
+        max_std: the upper bound (finite, > ``min_std``).
+        initial_std: the std at initialisation, strictly between the bounds; ``None``
+            (default): their geometric mean ``sqrt(min_std * max_std)``, the middle of the
+            squashing, where it is steepest.
+        hidden_dim: width of the hidden layers.
+        num_layers: number of hidden layers.
+        sigma_embedding_dim: size of the sinusoidal sigma features.
+
+    Raises:
+        ValueError: bounds that are not finite with ``0 < min_std < max_std``, or an
+            ``initial_std`` outside them (naming the argument).
+
+    Examples:
+        >>> head = NoiseHead(5, (4, 2), min_std=0.02, max_std=0.3, initial_std=0.1)
+        >>> std = head(torch.randn(3, 4, 2), torch.rand(3), torch.randn(3, 5))
+        >>> std.shape, torch.allclose(std, torch.full_like(std, 0.1))
+        (torch.Size([3, 4, 2]), True)
+    """
+
+    def __init__(
+        self,
+        context_dim: int,
+        action_shape: Sequence[int],
+        *,
+        min_std: float = 0.02,
+        max_std: float = 0.3,
+        initial_std: float | None = None,
+        hidden_dim: int = 64,
+        num_layers: int = 2,
+        sigma_embedding_dim: int = 32,
+    ):
+        super().__init__()
+        check_std_bounds(min_std, max_std, initial_std)
+        if initial_std is None:
+            initial_std = math.sqrt(min_std * max_std)
+        self.context_dim = context_dim
+        self.action_shape = torch.Size(action_shape)
+        self.min_std, self.max_std = float(min_std), float(max_std)
+        self.initial_std = float(initial_std)
+        action_numel = math.prod(self.action_shape)
+        self.sigma_embedding = SigmaEmbedding(sigma_embedding_dim)
+        layers: list[nn.Module] = []
+        in_features = action_numel + sigma_embedding_dim + context_dim
+        for _ in range(num_layers):
+            layers += [nn.Linear(in_features, hidden_dim), nn.SiLU()]
+            in_features = hidden_dim
+        output = nn.Linear(in_features, action_numel)
+        nn.init.zeros_(output.weight)
+        nn.init.constant_(output.bias, bounded_std_logit(initial_std, min_std, max_std))
+        layers.append(output)
+        self.mlp = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor, sigma: Tensor, context: Tensor) -> Tensor:
+        features = context.flatten(1)
+        if features.shape[-1] != self.context_dim:
+            raise ValueError(
+                f"NoiseHead got a context with {features.shape[-1]} features once flattened "
+                f"(shape {tuple(context.shape)}); it was built with context_dim="
+                f"{self.context_dim}. Pass the flattened size of the policy's context (the "
+                f"observation, or the encoder's tokens: num_tokens * model_dim)."
+            )
+        dtype = self.mlp[0].weight.dtype
+        features = torch.cat(
+            [x.flatten(1).to(dtype), self.sigma_embedding(sigma).to(dtype), features.to(dtype)],
+            dim=-1,
+        )
+        return bounded_std(self.mlp(features), self.min_std, self.max_std).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"min_std={self.min_std:g}, max_std={self.max_std:g}"

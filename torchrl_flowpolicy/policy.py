@@ -25,6 +25,15 @@ from torchrl_flowpolicy.flow import NoiseSchedule, SamplingSchedule, SDEMode, St
 
 __all__ = ["FlowSDEPolicy"]
 
+
+def _parameter_dtype(module: object) -> torch.dtype:
+    """The dtype of a module's first floating-point parameter (float32 when it has none)."""
+    for parameter in getattr(module, "parameters", list)():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
 Context = Tensor | tuple[Tensor, ...]
 
 #: Parameters whose change invalidates the cached sampling schedules.
@@ -50,6 +59,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
     | ``("flow", "sde_mask")`` (``sde_mask``) | ``[*B, K]`` bool | which steps were stochastic |
     | ``("flow", "step_log_prob")`` (``step_log_prob``) | ``[*B, K]`` | per-step log-prob, 0 where ODE |
     | ``"action_log_prob"`` (``log_prob``) | ``[*B]`` | sum over the steps |
+    | ``("flow", "step_std")`` (``step_std``) | ``[*B, K, H, D]`` | with a ``noise_head`` only: each step's std, 0 where ODE |
 
     ``H = chunk_length`` rows are predicted, ``H' = executed_chunk_length`` executed. A
     single-step policy (``action_shape=(D,)``, one action per environment step, for an
@@ -67,6 +77,15 @@ class FlowSDEPolicy(TensorDictModuleBase):
     Implements the mixed ODE/SDE sampler of pi-RL (Chen et al., 2025, "Flow-SDE") with the
     noise schedule of Flow-GRPO (Liu et al., 2025); the per-step log-probability is that of
     DPPO (Ren et al., 2024). See ``docs/conventions.md``.
+
+    With a ``noise_head`` (a learned exploration noise, pi-RL's Flow-Noise and ReinFlow,
+    ``docs/learned_noise.md``) a stochastic step is the Euler ODE step plus Gaussian noise
+    whose per-entry std the head predicts from ``(x_k, sigma_k, context)``:
+    ``x_{k+1} = x_k + v_k Delta_k + std_k xi_k``. ``noise_level`` and ``noise_schedule``
+    then play no part (the mean is the ODE's, the std the head's; a ``noise_level`` of 0
+    does not turn the stochastic steps off), ``log_prob`` recomputes the mean and the std
+    from the stored chain with one batched call of each network, and the gradient reaches
+    the head through the std.
 
     Args:
         velocity_network: ``velocity_network(x, sigma, context) -> v`` with ``x [N, H, D]``,
@@ -107,6 +126,12 @@ class FlowSDEPolicy(TensorDictModuleBase):
             policy outside a context (``compile_policy`` / ``cudagraph_policy`` hide
             :attr:`spec`) then sees the chain and the log-probs. Evaluate under
             ``set_exploration_type(ExplorationType.DETERMINISTIC)``.
+        noise_head: optional ``noise_head(x, sigma, context) -> std`` with ``x [N, H, D]``,
+            ``sigma [N]`` and the context of those decisions (the encoder's output, shared
+            with the velocity network), returning ``std [N, H, D] > 0``: the learned
+            exploration noise (:class:`~torchrl_flowpolicy.networks.NoiseHead`). ``None``
+            (default): the fixed Flow-SDE schedule. It may also be set later,
+            ``policy.noise_head = NoiseHead(...)`` (a fresh head at the start of RL).
 
     The sampler parameters (``num_steps``, ``eval_num_steps``, ``noise_level``, ``sde_mode``,
     ``num_sde_steps``, ``shift``, ``noise_schedule``) are checked together at construction and
@@ -144,6 +169,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         sde_mask: NestedKey = ("flow", "sde_mask")
         step_log_prob: NestedKey = ("flow", "step_log_prob")
         log_prob: NestedKey = "action_log_prob"
+        step_std: NestedKey = ("flow", "step_std")
 
     default_keys = _AcceptedKeys
 
@@ -165,6 +191,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         noise_schedule: NoiseSchedule = "sqrt",
         executed_chunk_length: int | None = None,
         default_interaction_type: ExplorationType = ExplorationType.RANDOM,
+        noise_head: nn.Module | Callable[[Tensor, Tensor, Context], Tensor] | None = None,
     ):
         super().__init__()
         if len(action_shape) not in (1, 2) or not all(int(size) >= 1 for size in action_shape):
@@ -194,24 +221,12 @@ class FlowSDEPolicy(TensorDictModuleBase):
             raise ValueError(
                 f"rollout_noise_scale must be a finite number >= 0, got {rollout_noise_scale}."
             )
-        declared = getattr(velocity_network, "action_shape", None)
-        if isinstance(declared, Sequence) and tuple(declared) not in (
-            tuple(self.action_shape),
-            tuple(self.chunk_shape),
-        ):
-            raise ValueError(
-                f"velocity_network was built for action_shape {tuple(declared)}, but the "
-                f"policy has action_shape {tuple(self.action_shape)}: it would reshape chunks "
-                f"{tuple(self.chunk_shape)} silently. Build the network with the policy's "
-                f"action_shape (chunk_shape {tuple(self.chunk_shape)} for a single-step policy)."
-            )
+        self._check_declared_shape(velocity_network, "velocity_network")
         self.velocity_network = velocity_network
         self.encoder = encoder
         self.in_keys = list(in_keys)
         self.tensor_keys = self._AcceptedKeys()
-        self.out_keys = [
-            getattr(self.tensor_keys, f.name) for f in dataclasses.fields(self.tensor_keys)
-        ]
+        self.noise_head = noise_head  # sets out_keys (__setattr__)
         sampler = {
             "num_steps": num_steps,
             "eval_num_steps": eval_num_steps,
@@ -236,7 +251,33 @@ class FlowSDEPolicy(TensorDictModuleBase):
             current = {key: getattr(self, key) for key in _SAMPLER_PARAMETERS}
             self._check_sampler({**current, name: value})
             self.__dict__["_schedules"] = {}
+        if name == "noise_head" and value is not None:
+            self._check_declared_shape(value, "noise_head")
         super().__setattr__(name, value)
+        if name == "noise_head":  # the written keys follow: step_std with a head only
+            self._set_out_keys()
+
+    def _check_declared_shape(self, network: object, name: str) -> None:
+        """Refuse a network that declares an ``action_shape`` other than the policy's."""
+        declared = getattr(network, "action_shape", None)
+        if isinstance(declared, Sequence) and tuple(declared) not in (
+            tuple(self.action_shape),
+            tuple(self.chunk_shape),
+        ):
+            raise ValueError(
+                f"{name} was built for action_shape {tuple(declared)}, but the "
+                f"policy has action_shape {tuple(self.action_shape)}: it would reshape chunks "
+                f"{tuple(self.chunk_shape)} silently. Build the network with the policy's "
+                f"action_shape (chunk_shape {tuple(self.chunk_shape)} for a single-step policy)."
+            )
+
+    def _set_out_keys(self) -> None:
+        """``out_keys``: the entries written under RANDOM exploration (``step_std`` only with
+        a noise head)."""
+        names = [f.name for f in dataclasses.fields(self.tensor_keys)]
+        if self.noise_head is None:
+            names.remove("step_std")
+        self.out_keys = [getattr(self.tensor_keys, name) for name in names]
 
     def _check_sampler(self, sampler: dict) -> None:
         """Validate the sampler parameters together (``ValueError`` naming the argument).
@@ -306,7 +347,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
             setattr(
                 self.tensor_keys, name, getattr(self.default_keys(), name) if key is None else key
             )
-        self.out_keys = [getattr(self.tensor_keys, name) for name in fields]
+        self._set_out_keys()
 
     @property
     def log_prob_keys(self) -> list[NestedKey]:
@@ -321,10 +362,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
     @property
     def network_dtype(self) -> torch.dtype:
         """The dtype of the velocity network's parameters (float32 when it has none)."""
-        for parameter in getattr(self.velocity_network, "parameters", list)():
-            if parameter.is_floating_point():
-                return parameter.dtype
-        return torch.float32
+        return _parameter_dtype(self.velocity_network)
 
     @property
     def spec(self) -> Composite:
@@ -351,19 +389,28 @@ class FlowSDEPolicy(TensorDictModuleBase):
         spec[keys.sde_mask] = Binary(num_steps, dtype=torch.bool, device=device)
         spec[keys.step_log_prob] = Unbounded((num_steps,), dtype=dtype, device=device)
         spec[keys.log_prob] = Unbounded((), dtype=dtype, device=device)
+        if self.noise_head is not None:
+            spec[keys.step_std] = Unbounded(
+                (num_steps, *self.action_shape), dtype=dtype, device=device
+            )
         return spec
 
     # ------------------------------------------------------------------ context and velocity
     def schedule(
         self, num_steps: int, dtype: torch.dtype, device: torch.device
     ) -> SamplingSchedule:
-        """The sampling schedule of ``num_steps`` steps (cached per dtype and device)."""
-        key = (num_steps, dtype, device)
+        """The sampling schedule of ``num_steps`` steps (cached per dtype and device).
+
+        With a noise head, that of the Euler ODE (``noise_level = 0``): its stochastic steps
+        keep the ODE mean and take their std from the head.
+        """
+        learned = self.noise_head is not None
+        key = (num_steps, dtype, device, learned)
         schedules = self.__dict__.setdefault("_schedules", {})
         if key not in schedules:
             schedules[key] = flow.sampling_schedule(
                 num_steps,
-                self.noise_level,
+                0.0 if learned else self.noise_level,
                 self.shift,
                 self.noise_schedule,
                 dtype=dtype,
@@ -411,22 +458,26 @@ class FlowSDEPolicy(TensorDictModuleBase):
         )
         if self.rollout_noise_scale != 1.0:
             noise[:, 0] = noise[:, 0] * self.rollout_noise_scale
-        if self.noise_level == 0:
+        if self.noise_level == 0 and self.noise_head is None:
             # No noise, no Gaussian step: the chain is the Euler ODE and has no density.
             sde_mask = torch.zeros_like(sde_mask)
-        chain, means, schedule = self._integrate(
+        chain, means, schedule, step_std = self._integrate(
             context, noise[:, 0], num_steps, sde_mask, noise[:, 1:]
         )
         # The log-prob covers the executed rows only (all H rows by default).
-        step_log_prob = flow.chain_log_prob(chain, means, sde_mask, schedule.std, executed)
+        std = schedule.std if step_std is None else step_std
+        step_log_prob = flow.chain_log_prob(chain, means, sde_mask, std, executed)
         keys = self.tensor_keys
-        return {
+        entries = {
             keys.action: self._action(chain[:, -1]),
             keys.chain: self._stored_chain(chain),
             keys.sde_mask: sde_mask,
             keys.step_log_prob: step_log_prob,
             keys.log_prob: step_log_prob.sum(-1),
         }
+        if step_std is not None:
+            entries[keys.step_std] = self._stored_chain(step_std)
+        return entries
 
     def _integrate(
         self,
@@ -435,19 +486,39 @@ class FlowSDEPolicy(TensorDictModuleBase):
         num_steps: int,
         sde_mask: Tensor | None = None,
         step_noise: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None, SamplingSchedule]:
-        """:func:`flow.integrate` with this policy's network, context, schedule and dtypes."""
+    ) -> tuple[Tensor, Tensor | None, SamplingSchedule, Tensor | None]:
+        """:func:`flow.integrate` with this policy's network, context, schedule and dtypes.
+
+        Returns ``(chain, means, schedule, step_std)``; ``step_std`` (``[N, K, H, D]``) is
+        the noise head's, ``None`` without a head or a mask.
+        """
         network_dtype, dtype = self.network_dtype, initial_noise.dtype
         velocity = flow.network_velocity(self.velocity_network, context, network_dtype, dtype)
         schedule = self.schedule(num_steps, dtype, initial_noise.device)
-        chain, means = flow.integrate(
-            velocity, initial_noise, schedule, sde_mask, step_noise, sigma_dtype=network_dtype
+        if self.noise_head is None or sde_mask is None:
+            chain, means = flow.integrate(
+                velocity, initial_noise, schedule, sde_mask, step_noise, sigma_dtype=network_dtype
+            )
+            return chain, means, schedule, None
+        chain, means, step_std = flow.integrate(
+            velocity,
+            initial_noise,
+            schedule,
+            sde_mask,
+            step_noise,
+            sigma_dtype=network_dtype,
+            noise_std=self._noise_std(context, dtype),
         )
-        return chain, means, schedule
+        return chain, means, schedule, step_std
+
+    def _noise_std(self, context: Context, dtype: torch.dtype) -> Callable[..., Tensor]:
+        """The noise head as the ``noise_std`` callback of :mod:`flow` (its own dtype)."""
+        head = self.noise_head
+        return flow.network_velocity(head, context, _parameter_dtype(head), dtype, "noise_head")
 
     def _ode(self, context: Context, initial_noise: Tensor) -> Tensor:
         """The executed rows of the deterministic ODE chunk from ``x_0 = initial_noise``."""
-        chain, _, _ = self._integrate(context, initial_noise, self.eval_num_steps)
+        chain = self._integrate(context, initial_noise, self.eval_num_steps)[0]
         return self._action(chain[:, -1])
 
     @torch.no_grad()
@@ -531,13 +602,16 @@ class FlowSDEPolicy(TensorDictModuleBase):
 
         One batched network call over all stochastic entries, gradient enabled (through the
         means); ``mean`` and ``sample`` are ``[M, H', D]`` (``[M, 1, D]`` for a single-step
-        policy). ``context_grad`` lets it reach the encoder; ``chain_key`` / ``sde_mask_key``
-        default to ``tensor_keys``.
+        policy). With a noise head, one batched call of the head as well: ``std`` is then
+        ``[M, H', D]`` under the current parameters, with its gradient (``[M]`` and
+        parameter-free otherwise). ``context_grad`` lets it reach the encoder (through both
+        networks); ``chain_key`` / ``sde_mask_key`` default to ``tensor_keys``.
 
         Raises a ``ValueError`` naming the key when the stored data cannot be scored: a mask
         that marks step 0 (``sigma = 1``, never stochastic), a non-finite stored sample
         ``x_{k+1}`` of a stochastic step (both checked unless ``check_data=False``), a
-        non-finite stored ``x_k`` or velocity (always: the means are checked).
+        non-finite stored ``x_k`` or velocity (always: the means are checked), a noise
+        head's std that is not finite and > 0 (always).
         """
         num_steps = self.num_steps
         chain_key = chain_key or self.tensor_keys.chain
@@ -562,7 +636,18 @@ class FlowSDEPolicy(TensorDictModuleBase):
             sde_mask,
             self.schedule(num_steps, dtype, chain.device),
             self.executed_chunk_length,
+            None if self.noise_head is None else self._noise_std(context, dtype),
         )
+        if self.noise_head is not None and not (
+            flow.all_finite(steps.std) and bool((steps.std > 0).all())
+        ):
+            bad = ~(torch.isfinite(steps.std) & (steps.std > 0)).flatten(1).all(-1)
+            raise ValueError(
+                f"noise_head produced a std that is not finite and > 0 while recomputing "
+                f"log-probs from the stored chain, at stochastic steps (decision, step) "
+                f"{self._bad_entries(steps, bad)}: a noise head must return a positive std "
+                f"(flow.bounded_std); check its inputs and dtype."
+            )
         if not flow.all_finite(steps.mean):
             inputs = chain[steps.decision_index, steps.step_index]
             if not torch.isfinite(inputs).all():

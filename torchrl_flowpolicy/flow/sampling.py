@@ -180,6 +180,9 @@ def sampling_schedule(
 
 #: ``velocity(x [N, H, D], sigma [N]) -> v [N, H, D]`` for :func:`integrate`.
 Velocity = Callable[[Tensor, Tensor], Tensor]
+#: ``noise_std(x [N, H, D], sigma [N]) -> std [N, H, D]`` (> 0) for :func:`integrate`: the
+#: learned per-entry std of a stochastic step (:mod:`~torchrl_flowpolicy.flow.noise`).
+NoiseStd = Callable[[Tensor, Tensor], Tensor]
 
 
 def integrate(
@@ -190,8 +193,14 @@ def integrate(
     step_noise: Tensor | None = None,
     *,
     sigma_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor | None]:
+    noise_std: NoiseStd | None = None,
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor, Tensor]:
     """Run the mixed ODE/SDE sampler from ``x_0 = initial_noise``.
+
+    A stochastic step is ``x_{k+1} = x_coefficient_k x_k + velocity_coefficient_k v_k +
+    std_k xi_k``, with ``std_k`` from the schedule or, with ``noise_std``, from that callback
+    at the step's ``x_k`` (the learned-noise sampler: pass the ODE schedule,
+    ``sampling_schedule(K, noise_level=0.0)``, for the Euler mean of Flow-Noise and ReinFlow).
 
     Args:
         velocity: ``velocity(x, sigma) -> v`` with ``x [N, H, D]`` (the dtype of the chain)
@@ -201,20 +210,38 @@ def integrate(
         sde_mask: ``[N, K]`` booleans, the stochastic steps; ``None``: the plain Euler ODE.
         step_noise: ``[N, K, H, D]`` standard normal noise ``xi_k`` (read where ``sde_mask``).
         sigma_dtype: the dtype of the ``sigma`` handed to ``velocity`` (default: the chain's).
+        noise_std: ``noise_std(x, sigma) -> std``, the per-entry std of the stochastic steps
+            (``[N, H, D]`` or broadcastable, > 0), called once per step that has a
+            stochastic entry, instead of ``schedule.std``, with ``sigma [N]`` in the chain's
+            dtype (as :func:`stochastic_steps` calls it); needs ``sde_mask``.
 
     Returns:
         ``(chain [N, K + 1, H, D], means [N, K, H, D])``; ``means`` (the Gaussian mean of every
-        step, the ODE update at deterministic steps) is ``None`` without ``sde_mask``.
+        step, the ODE update at deterministic steps) is ``None`` without ``sde_mask``. With
+        ``noise_std``, ``(chain, means, step_std [N, K, H, D])``: the std of every step, 0 at
+        the deterministic ones (as ``torch.unique`` adds its counts when asked).
 
     Raises:
-        ValueError: the chain is not finite (the message names the first bad step).
+        ValueError: the chain is not finite (the message names the first bad step), or
+            ``noise_std`` gave a std that is not finite and > 0 at a stochastic entry.
 
     Examples:
         >>> schedule = sampling_schedule(4, noise_level=0.0)
         >>> chain, _ = integrate(lambda x, sigma: torch.ones_like(x), torch.zeros(1, 2, 3), schedule)
         >>> chain[0, -1, 0]  # x_K = x_0 + sum_k Delta_k * 1
         tensor([-1., -1., -1.])
+
+        A learned std, here 0.5 everywhere, on the Euler mean:
+
+        >>> mask = torch.tensor([[False, True, True, True]])
+        >>> chain, means, step_std = integrate(
+        ...     lambda x, sigma: torch.zeros_like(x), torch.zeros(1, 2, 3), schedule, mask,
+        ...     torch.ones(1, 4, 2, 3), noise_std=lambda x, sigma: torch.full_like(x, 0.5))
+        >>> chain[0, -1, 0], step_std[0, :, 0, 0]  # x_K = 3 steps * 0.5 * xi (xi = 1)
+        (tensor([1.5000, 1.5000, 1.5000]), tensor([0.0000, 0.5000, 0.5000, 0.5000]))
     """
+    if noise_std is not None and sde_mask is None:
+        raise ValueError("integrate: noise_std needs an sde_mask (the stochastic steps).")
     num_steps = schedule.num_steps
     num_decisions = initial_noise.shape[0]
     sigma_dtype = initial_noise.dtype if sigma_dtype is None else sigma_dtype
@@ -232,16 +259,25 @@ def integrate(
         velocity_coefficient = torch.where(
             sde_mask, schedule.velocity_coefficient, schedule.step_size
         )
-        std = torch.where(sde_mask, schedule.std, 0.0)
-        # The noise terms std_k * xi_k of all steps in one multiplication.
-        noise_steps = (std[..., None, None] * step_noise).unbind(1)
+        if noise_std is None:
+            std = torch.where(sde_mask, schedule.std, 0.0)
+            # The noise terms std_k * xi_k of all steps in one multiplication.
+            noise_steps = (std[..., None, None] * step_noise).unbind(1)
+        else:  # the std depends on x_k: computed in the loop
+            noise_steps = None
+            step_stochastic = sde_mask.any(0).tolist()
+            # In the chain's dtype, as stochastic_steps hands them over when rescoring.
+            noise_sigma_steps = schedule.sigmas[:-1, None].expand(num_steps, num_decisions)
+            stochastic_rows = sde_mask[..., None, None].unbind(1)
+            xi_steps = step_noise.unbind(1)
     x_steps = x_coefficient[..., None, None].unbind(1)
     velocity_steps = velocity_coefficient[..., None, None].unbind(1)
     # Preallocated, step-major: chain[k] and means[k] are contiguous blocks that each step
     # writes in place (``out=``); the returned views are [N, K + 1, H, D] and [N, K, H, D].
     chain = initial_noise.new_empty((num_steps + 1, *initial_noise.shape))
     chain[0] = initial_noise
-    means = None if noise_steps is None else torch.empty_like(chain[1:])
+    means = None if sde_mask is None else torch.empty_like(chain[1:])
+    step_std = None if noise_std is None else torch.zeros_like(chain[1:])
     for step in range(num_steps):
         x = chain[step]
         v = velocity(x, sigma_steps[step])
@@ -249,7 +285,16 @@ def integrate(
         torch.add(x_steps[step] * x, velocity_steps[step] * v, out=mean)
         if noise_steps is not None:
             torch.add(mean, noise_steps[step], out=chain[step + 1])
+        elif step_std is not None and step_stochastic[step]:
+            std = noise_std(x, noise_sigma_steps[step])
+            step_std[step] = torch.where(stochastic_rows[step], std, 0.0)
+            torch.addcmul(mean, step_std[step], xi_steps[step], out=chain[step + 1])
+        elif step_std is not None:
+            chain[step + 1] = mean
     chain = chain.transpose(0, 1)
+    if step_std is not None:
+        step_std = step_std.transpose(0, 1)
+        _check_step_std(step_std, sde_mask, schedule)
     if not all_finite(chain):
         bad = int((~torch.isfinite(chain)).flatten(2).any(-1).any(0).nonzero()[0]) - 1
         if bad < 0:
@@ -263,7 +308,24 @@ def integrate(
             f"(sigma={float(schedule.sigmas[bad]):.4f}): x_{bad + 1} is not finite. Check the "
             f"network's inputs (observation scaling) and its dtype."
         )
+    if step_std is not None:
+        return chain, means.transpose(0, 1), step_std
     return chain, None if means is None else means.transpose(0, 1)
+
+
+def _check_step_std(step_std: Tensor, sde_mask: Tensor, schedule: SamplingSchedule) -> None:
+    """Raise a ``ValueError`` naming the first step whose learned std is not finite and > 0."""
+    entries = step_std[sde_mask]  # [M, H, D], the stochastic entries
+    if entries.numel() == 0 or (all_finite(entries) and bool((entries > 0).all())):
+        return
+    bad_entries = ~(torch.isfinite(entries) & (entries > 0)).flatten(1).all(-1)
+    bad = int(sde_mask.nonzero()[bad_entries][:, 1].min())
+    raise ValueError(
+        f"the noise std (noise_std, a noise head) is not finite and > 0 at denoising step "
+        f"{bad} (sigma={float(schedule.sigmas[bad]):.4f}): the step's log-probability would be "
+        f"NaN or inf. A noise head must return a positive std, e.g. through "
+        f"flow.bounded_std; check its inputs and dtype."
+    )
 
 
 def chain_log_prob(
@@ -271,15 +333,21 @@ def chain_log_prob(
 ) -> Tensor:
     """Per-step log-probs ``[N, K]`` of a sampled chain, 0 where the step was deterministic.
 
-    ``log N(x_{k+1}; mean_k, std_k^2 I)`` summed over the leading ``rows`` chunk rows (the
+    ``log N(x_{k+1}; mean_k, diag(std_k^2))`` summed over the leading ``rows`` chunk rows (the
     executed ones; default all) and the action dimension.
 
     Args:
         chain: ``[N, K + 1, H, D]``; means: ``[N, K, H, D]`` (from :func:`integrate`);
-            sde_mask: ``[N, K]``; std: ``[K]`` the stochastic steps' standard deviations.
+            sde_mask: ``[N, K]``; std: ``[K]`` the stochastic steps' standard deviations (the
+            fixed schedule), or ``[N, K, H, D]`` one per entry (the ``step_std`` of a
+            learned noise, from :func:`integrate`).
     """
     rows = chain.shape[-2] if rows is None else rows
-    safe_std = torch.where(sde_mask, std, 1.0)
+    if std.ndim > 1:  # one std per entry
+        std = std[:, :, :rows]
+        safe_std = torch.where(sde_mask[..., None, None], std, 1.0)
+    else:
+        safe_std = torch.where(sde_mask, std, 1.0)
     step_log_prob = gaussian_log_prob(chain[:, 1:, :rows], means[:, :, :rows], safe_std)
     return torch.where(sde_mask, step_log_prob, 0.0)
 
@@ -289,12 +357,15 @@ def network_velocity(
     context: Tensor | tuple[Tensor, ...],
     network_dtype: torch.dtype,
     dtype: torch.dtype,
+    name: str = "velocity_network",
 ) -> Callable[..., Tensor]:
     """The callback of :func:`integrate` / :func:`stochastic_steps` for ``network(x, sigma, context)``.
 
     Returns ``velocity(x, sigma[, decision_index])``: ``x`` and ``sigma`` are cast to
     ``network_dtype``, the velocity back to ``dtype`` (the chain's, float32 or wider) after a
-    shape check; ``decision_index`` selects each entry's context (rescoring).
+    shape check; ``decision_index`` selects each entry's context (rescoring). The same
+    wrapper serves a noise head (``noise_head(x, sigma, context) -> std``, the ``noise_std``
+    callback); ``name`` is what the error messages call the network.
     """
 
     cast = network_dtype != dtype  # checked once: the sampler calls this K times
@@ -310,12 +381,12 @@ def network_velocity(
         v = network(x.to(network_dtype) if cast else x, sigma, entries)
         if not isinstance(v, Tensor):
             raise TypeError(
-                f"velocity_network returned a {type(v).__name__}; expected a tensor of shape "
+                f"{name} returned a {type(v).__name__}; expected a tensor of shape "
                 f"{tuple(x.shape)} ([N, H, D], the shape of x)."
             )
         if v.shape != x.shape:
             raise ValueError(
-                f"velocity_network returned shape {tuple(v.shape)}; expected "
+                f"{name} returned shape {tuple(v.shape)}; expected "
                 f"{tuple(x.shape)} ([N, H, D], the shape of x)."
             )
         return v.to(dtype) if cast else v
@@ -333,7 +404,9 @@ class StochasticSteps(NamedTuple):
         decision_index: ``[M]`` index into the flattened batch of decisions.
         step_index: ``[M]`` denoising step ``k`` of each entry.
         mean: ``[M, H', D]`` the Gaussian mean ``mu_k`` under the current parameters.
-        std: ``[M]`` the standard deviation ``std_k`` (parameter-free).
+        std: the standard deviation ``std_k``: ``[M]``, parameter-free, for the fixed
+            schedule; ``[M, H', D]``, one per entry under the current parameters, for a
+            learned noise (``noise_std``).
         sample: ``[M, H', D]`` the stored ``x_{k+1}``.
 
     ``H'`` is the number of rows the log-probability covers (the executed rows).
@@ -346,7 +419,8 @@ class StochasticSteps(NamedTuple):
     sample: Tensor
 
 
-#: ``velocity(x [M, H, D], sigma [M], decision_index [M]) -> v [M, H, D]``.
+#: ``velocity(x [M, H, D], sigma [M], decision_index [M]) -> v [M, H, D]``; the same
+#: signature, returning the std, for the ``noise_std`` of :func:`stochastic_steps`.
 IndexedVelocity = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
@@ -356,11 +430,13 @@ def stochastic_steps(
     sde_mask: Tensor,
     schedule: SamplingSchedule,
     rows: int | None = None,
+    noise_std: IndexedVelocity | None = None,
 ) -> StochasticSteps:
     """Recompute the Gaussian transitions of the stochastic steps of stored chains.
 
-    One batched ``velocity`` call over all ``M`` stochastic entries (never a loop over K);
-    the gradient reaches the parameters through the means only.
+    One batched ``velocity`` call over all ``M`` stochastic entries (never a loop over K),
+    and with ``noise_std`` one batched call of it. The gradient reaches the parameters
+    through the means, and with ``noise_std`` through the stds as well.
 
     Args:
         velocity: ``velocity(x, sigma, decision_index) -> v``; ``decision_index`` tells the
@@ -369,6 +445,9 @@ def stochastic_steps(
         sde_mask: ``[N, K]`` the stored stochastic-step mask.
         schedule: the sampler's constants, in the chain's dtype.
         rows: the leading chunk rows the log-probability covers (default: all ``H``).
+        noise_std: ``noise_std(x, sigma, decision_index) -> std [M, H, D]``, the learned
+            per-entry std (:func:`integrate`'s, with the decision index); ``None``: the
+            schedule's ``std_k``.
 
     Examples:
         >>> schedule = sampling_schedule(4, noise_level=0.5)
@@ -386,9 +465,12 @@ def stochastic_steps(
         + schedule.velocity_coefficient[step_index, None, None] * v
     )
     rows = chain.shape[-2] if rows is None else rows
-    return StochasticSteps(
-        decision_index, step_index, mean[:, :rows], schedule.std[step_index], sample[:, :rows]
-    )
+    if noise_std is None:
+        std = schedule.std[step_index]
+    else:
+        std = torch.broadcast_to(noise_std(x, schedule.sigmas[step_index], decision_index), x.shape)
+        std = std[:, :rows]
+    return StochasticSteps(decision_index, step_index, mean[:, :rows], std, sample[:, :rows])
 
 
 def scatter_steps(steps: StochasticSteps, values: Tensor, shape: torch.Size) -> Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -27,6 +28,8 @@ __all__ = [
     "ode_step",
     "sde_step",
     "gaussian_log_prob",
+    "gaussian_entropy",
+    "gaussian_kl",
     "sample_sde_mask",
 ]
 
@@ -252,16 +255,37 @@ def sde_step(
     return mean, std
 
 
-def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor, event_dims: int = 2) -> Tensor:
-    """``log N(x; mean, std^2 I)`` summed over the last ``event_dims`` dimensions.
+def _std_per_entry(std: Tensor, shape: torch.Size, event_dims: int) -> bool:
+    """Whether ``std`` has one value per entry (``True``) or one per event (``False``).
 
-    Computed in float32 or wider. ``std`` is the per-sample scale with the batch shape of
-    ``x`` minus its event dimensions (it is broadcast over the chunk).
+    One per entry: ``std`` has the sample's number of dimensions and broadcasts to ``shape``
+    (a learned noise, ``[..., H, D]``, or ``[..., 1, D]`` shared over the rows). One per event:
+    ``std`` has the batch shape ``shape[:-event_dims]`` (the fixed schedule's ``std_k``).
+    """
+    if std.ndim == len(shape):
+        return True
+    if tuple(std.shape) == tuple(shape[: len(shape) - event_dims]):
+        return False
+    raise ValueError(
+        f"std has shape {tuple(std.shape)}; expected one value per event, "
+        f"{tuple(shape[: len(shape) - event_dims])}, or one per entry, broadcastable to "
+        f"{tuple(shape)}."
+    )
+
+
+def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor, event_dims: int = 2) -> Tensor:
+    """``log N(x; mean, diag(std^2))`` summed over the last ``event_dims`` dimensions.
+
+    Computed in float32 or wider. ``std`` is either one scale per event, with the batch shape
+    of ``x`` minus its event dimensions (the fixed schedule: broadcast over the chunk), or
+    one per entry, with the dimensions of ``x`` (a learned noise, see
+    :mod:`~torchrl_flowpolicy.flow.noise`; size-1 dimensions broadcast).
 
     Args:
         x: the sample, ``[..., H, D]`` for the default ``event_dims = 2``.
         mean: the Gaussian mean, same shape as ``x``.
-        std: the standard deviation, shape ``x.shape[:-event_dims]`` (> 0).
+        std: the standard deviation (> 0), shape ``x.shape[:-event_dims]`` or broadcastable
+            to ``x.shape`` with ``x.ndim`` dimensions.
         event_dims: how many trailing dimensions form one event.
 
     Returns:
@@ -270,14 +294,103 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor, event_dims: int = 2)
     Examples:
         >>> gaussian_log_prob(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor(1.0))
         tensor(-0.9189)
+        >>> per_entry = torch.tensor([[1.0, 2.0]])  # one std per entry
+        >>> torch.distributions.Normal(0.0, per_entry).log_prob(torch.ones(1, 2)).sum()
+        tensor(-3.1560)
+        >>> gaussian_log_prob(torch.ones(1, 2), torch.zeros(1, 2), per_entry)
+        tensor(-3.1560)
     """
     dtype = probability_dtype(x.dtype)
     x, mean, std = x.to(dtype), mean.to(dtype), std.to(dtype)
     event_shape = x.shape[x.ndim - event_dims :]
     num_elements = math.prod(event_shape)
+    if _std_per_entry(std, x.shape, event_dims):
+        std = torch.broadcast_to(std, x.shape)
+        squared = ((x - mean) / std).pow(2).flatten(-event_dims).sum(-1)
+        log_std = std.log().flatten(-event_dims).sum(-1)
+        return -0.5 * squared - log_std - num_elements * 0.5 * math.log(2 * math.pi)
     std_b = std.reshape(std.shape + (1,) * event_dims)
     squared = ((x - mean) / std_b).pow(2).flatten(-event_dims).sum(-1)
     return -0.5 * squared - num_elements * (std.log() + 0.5 * math.log(2 * math.pi))
+
+
+def gaussian_entropy(std: Tensor, shape: Sequence[int], event_dims: int = 2) -> Tensor:
+    """The entropy of ``N(mean, diag(std^2))`` over events of the last ``event_dims`` of ``shape``.
+
+    ``sum over the event's entries of log std + log(2 pi e) / 2``. ``std`` is one scale per
+    event (shape ``shape[:-event_dims]``) or one per entry (``len(shape)`` dimensions,
+    broadcastable to ``shape``), as in :func:`gaussian_log_prob`. Only ``std`` enters: with a
+    learned std this is what an entropy bonus differentiates.
+
+    Args:
+        std: the standard deviation (> 0).
+        shape: the shape of a sample, ``[..., H, D]``.
+        event_dims: how many trailing dimensions form one event.
+
+    Returns:
+        The entropy, shape ``shape[:-event_dims]``, in float32 or wider.
+
+    Examples:
+        >>> std = torch.tensor([[0.5, 2.0]])
+        >>> torch.distributions.Normal(0.0, std).entropy().sum()
+        tensor(2.8379)
+        >>> gaussian_entropy(std, (1, 2))
+        tensor(2.8379)
+    """
+    shape = torch.Size(shape)
+    std = std.to(probability_dtype(std.dtype))
+    constant = 0.5 * math.log(2 * math.pi * math.e)
+    if _std_per_entry(std, shape, event_dims):
+        return (torch.broadcast_to(std, shape).log() + constant).flatten(-event_dims).sum(-1)
+    return math.prod(shape[len(shape) - event_dims :]) * (std.log() + constant)
+
+
+def gaussian_kl(
+    mean: Tensor, std: Tensor, other_mean: Tensor, other_std: Tensor, event_dims: int = 2
+) -> Tensor:
+    """``KL(N(mean, diag(std^2)) || N(other_mean, diag(other_std^2)))``, summed over the event.
+
+    The closed form for two diagonal Gaussians, per entry
+    ``log(s' / s) + (s^2 + (m - m')^2) / (2 s'^2) - 1 / 2``. Each std is one scale per event
+    or one per entry (:func:`gaussian_log_prob`); with the same std per event it reduces to
+    ``||m - m'||^2 / (2 s^2)``, the fixed schedule's KL.
+
+    Args:
+        mean, std: the first Gaussian (``[..., H, D]``; the std as in :func:`gaussian_log_prob`).
+        other_mean, other_std: the second Gaussian, the same shapes.
+        event_dims: how many trailing dimensions form one event.
+
+    Returns:
+        The KL divergence, shape ``mean.shape[:-event_dims]``, in float32 or wider.
+
+    Examples:
+        >>> p, q = torch.distributions.Normal(0.0, 1.0), torch.distributions.Normal(1.0, 2.0)
+        >>> torch.distributions.kl_divergence(p, q)
+        tensor(0.4431)
+        >>> gaussian_kl(torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), torch.full((1, 1), 2.0))
+        tensor(0.4431)
+    """
+    dtype = probability_dtype(mean.dtype)
+    mean, other_mean = mean.to(dtype), other_mean.to(dtype)
+    std, other_std = std.to(dtype), other_std.to(dtype)
+    shape = mean.shape
+    squared = (mean - other_mean).pow(2)
+    per_entry = _std_per_entry(std, shape, event_dims)
+    other_per_entry = _std_per_entry(other_std, shape, event_dims)
+    if not (per_entry or other_per_entry):
+        # One scale per event on both sides: sum the n equal terms in closed form.
+        num_elements = math.prod(shape[len(shape) - event_dims :])
+        variance, other_variance = std.pow(2), other_std.pow(2)
+        scale = (other_std / std).log() + variance / (2 * other_variance) - 0.5
+        return num_elements * scale + squared.flatten(-event_dims).sum(-1) / (2 * other_variance)
+    expand = [
+        torch.broadcast_to(s if entry else s.reshape(s.shape + (1,) * event_dims), shape)
+        for s, entry in ((std, per_entry), (other_std, other_per_entry))
+    ]
+    std, other_std = expand
+    other_variance = other_std.pow(2)
+    kl = (other_std / std).log() + (std.pow(2) + squared) / (2 * other_variance) - 0.5
+    return kl.flatten(-event_dims).sum(-1)
 
 
 def sample_sde_mask(

@@ -109,9 +109,16 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     as options it cannot honour: ``delay_actor=True``, a per-head ``entropy_coeff`` mapping,
     ``samples_mc_entropy`` (the entropy is in closed form).
 
-    Entropy: the bonus is off by default. The step std does not depend on the parameters, so
-    the Gaussian steps' entropy, ``H' D (log std + log(2 pi e) / 2)``, has no gradient; it is
-    still reported as ``"entropy"``. Exploration is set by the policy's ``noise_level``.
+    Entropy: the bonus is off by default. The entropy of a stochastic step is that of its
+    Gaussian, ``sum over the H' x D entries of log std + log(2 pi e) / 2``
+    (:func:`flow.gaussian_entropy <torchrl_flowpolicy.flow.gaussian_entropy>`), averaged over
+    the stochastic entries and reported as ``"entropy"``. With the fixed Flow-SDE schedule
+    the std does not depend on the parameters, so the bonus has no gradient and exploration
+    is set by the policy's ``noise_level``. With a learned noise (the policy's
+    ``noise_head``, pi-RL's Flow-Noise, ReinFlow) the std is the head's: the ratio includes
+    the change of std, and ``entropy_bonus=True`` with ``entropy_coeff`` is a real bonus
+    whose gradient reaches the noise head only (the mean does not enter the entropy; with
+    ``context_grad=True`` it also reaches the encoder through the head's context).
     ``"loss_entropy"`` is always written, so that TorchRL's scripts can sum
     ``loss["loss_entropy"]`` as with ``ClipPPOLoss``: ``-entropy_coeff * entropy`` with the bonus,
     a zero of ``loss_objective``'s shape, dtype and device without it.
@@ -138,9 +145,12 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         context_grad: let the policy gradient reach the encoder. Default ``False``: the
             context is recomputed from the stored observation under ``no_grad``.
         kl_coeff: weight of the KL to a frozen reference actor (default 0: off).
-        kl_estimator: ``"analytic"`` (default): ``||mu - mu_ref||^2 / (2 std^2)`` per step,
-            exact because both Gaussians share their std; ``"sample"``: the estimator
-            ``log pi - log pi_ref`` at the stored samples.
+        kl_estimator: ``"analytic"`` (default): the closed-form KL between the step's two
+            diagonal Gaussians (:func:`flow.gaussian_kl <torchrl_flowpolicy.flow.gaussian_kl>`):
+            ``||mu - mu_ref||^2 / (2 std^2)`` when they share their std (the fixed schedule),
+            ``sum log(s_ref / s) + (s^2 + (mu - mu_ref)^2) / (2 s_ref^2) - 1 / 2`` when a
+            noise head gives each its own; ``"sample"``: the estimator
+            ``log pi - log pi_ref`` at the stored samples, each with its own std.
         reference_actor: the frozen reference; default: a copy of ``actor_network`` taken at
             construction (when ``kl_coeff > 0``).
         bc_coeff: weight of self-imitation: flow matching on the executed chunks of the
@@ -461,7 +471,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             gain = torch.where(advantage < 0, torch.maximum(gain, floor), gain)
 
         sde_mask = flow.scatter_steps(
-            steps, torch.ones_like(steps.std, dtype=torch.bool), log_weight.shape[:-1]
+            steps, torch.ones_like(steps.step_index, dtype=torch.bool), log_weight.shape[:-1]
         )
         shape = sde_mask.shape
         loss_objective = self._reduce_steps(-gain[..., 0], sde_mask, tensordict)
@@ -490,8 +500,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         if self.bc_coeff > 0:
             out.set("loss_bc", self.bc_coeff * self._self_imitation(tensordict))
 
-        executed_numel = math.prod(steps.sample.shape[1:])
-        entropy = executed_numel * (steps.std.log() + 0.5 * math.log(2 * math.pi * math.e))
+        entropy = flow.gaussian_entropy(steps.std, steps.sample.shape)
         if self.entropy_bonus:
             dense_entropy = flow.scatter_steps(steps, entropy, shape)
             loss_entropy = self._reduce_steps(dense_entropy, sde_mask, tensordict)
@@ -552,11 +561,11 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
                 sde_mask_key=self.tensor_keys.sde_mask,
             )
         reference_mean = reference.mean.to(steps.mean.dtype)
+        reference_std = reference.std.to(steps.mean.dtype)
         if self.kl_estimator == "analytic":
-            squared = (steps.mean - reference_mean).pow(2).flatten(1).sum(-1)
-            return squared / (2 * steps.std.pow(2))
+            return flow.gaussian_kl(steps.mean, steps.std, reference_mean, reference_std)
         log_prob = flow.gaussian_log_prob(steps.sample, steps.mean, steps.std)
-        return log_prob - flow.gaussian_log_prob(steps.sample, reference_mean, steps.std)
+        return log_prob - flow.gaussian_log_prob(steps.sample, reference_mean, reference_std)
 
     def _self_imitation(self, tensordict: TensorDictBase) -> Tensor:
         with self._actor_parameters():
