@@ -91,8 +91,10 @@ from common import (
     plot_success_band,
     require_run_checkpoint,
     resolve_device,
+    restore_random_state,
     resume_run,
     save_run,
+    seed_random_generators,
     task_defaults,
     validate_config,
 )
@@ -677,7 +679,7 @@ def main(config: PPOConfig) -> dict:
     rank, world_size = init_distributed()  # (0, 1) unless launched by torchrun
     device = check_config(config, world_size)  # unavailable device, bad split: fail now
     main_process = rank == 0
-    torch.manual_seed(config.seed + rank)
+    seed_random_generators(config.seed + rank)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -702,7 +704,7 @@ def main(config: PPOConfig) -> dict:
         eval_env = make_eval_env(config, config.eval_episodes, executed, device)
         baselines = curve_baselines(policy, eval_env, max_decisions, config)
 
-    # Critic, loss, optimisers; resumed with the counters, history and RNG state if asked.
+    # Critic, loss, optimisers; resumed with the counters and history if asked.
     learner = make_learner(policy, config, executed)
     iteration, env_steps, history = 0, 0, []
     if saved is not None:
@@ -710,20 +712,25 @@ def main(config: PPOConfig) -> dict:
         iteration, env_steps = saved["iteration"], saved["env_steps"]
         history = json.loads(saved["history"])
         print(f"resumed from iteration {iteration} ({env_steps} env steps)")
-        if world_size > 1:  # the checkpoint holds rank 0's RNG state: one stream per rank
-            torch.manual_seed(config.seed + rank + 1000 * iteration)
     broadcast_parameters(learner.policy)  # every rank starts from rank 0's weights
     broadcast_parameters(learner.critic)
 
     # Collector (a batch: episodes_per_batch full-length episodes' decisions per env),
-    # minibatch sampler, logger.
+    # minibatch sampler, logger (a resumed run's CSV files lose the rows logged after its
+    # checkpoint, which it logs again).
     decisions_per_batch = config.num_envs * config.episodes_per_batch * max_decisions
     seed = training_seed(config.seed, iteration, world_size * config.num_envs)
     seed += rank * config.num_envs  # rank r's environments follow those of ranks 0 .. r - 1
     collector = make_collector(policy, config, executed, decisions_per_batch, seed, device)
     replay_buffer = make_replay_buffer(config, decisions_per_batch, device)
     if main_process:
-        log = MetricLogger(config.loggers, f"ppo_seed{config.seed}", output_dir, config).log
+        experiment, resume_step = f"ppo_seed{config.seed}", env_steps if saved else None
+        log = MetricLogger(config.loggers, experiment, output_dir, config, resume_step).log
+    # The random streams where the checkpoint left them, just before the first iteration.
+    if saved is not None and world_size == 1:
+        restore_random_state(saved["random_state"])
+    elif saved is not None:  # the checkpoint holds rank 0's streams: one stream per rank
+        seed_random_generators(config.seed + rank + 1000 * iteration)
 
     # Training loop: one PPO iteration per batch, evaluation, logging, checkpoints; until
     # the env-step budget is spent (a batch's env steps: its decisions' executed rows).
