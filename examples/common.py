@@ -443,7 +443,9 @@ def random_state() -> dict[str, Any]:
     (what ``torch.load(weights_only=True)`` reads): torch's CPU generator, the CUDA
     generators once CUDA is in use, NumPy's global generator and Python's ``random``.
 
-    The environments' own generators are not here, nor the simulators' states.
+    The environments' own generators are not here, nor the simulators' states:
+    ``examples/ppo.py`` starts every batch from fresh resets whose seeds depend on the
+    iteration alone (:func:`~torchrl_flowpolicy.protocol.training_seed`).
     """
     numpy_state = np.random.get_state(legacy=False)
     version, internal, gauss_next = random.getstate()

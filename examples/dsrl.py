@@ -24,7 +24,8 @@ log, evaluate, checkpoint), final evaluation, held-out protocol, plot, summary. 
 ``--quick`` runs the whole chain in under a minute; ``--resume`` continues a killed run
 (replay buffer and random generators included). A resumed run is not bit-identical to an
 uninterrupted one: the episodes in progress at the checkpoint are lost, and its
-environments start anew from other reset seeds. ``--device cuda`` puts the frozen policy, the
+environments start anew from other reset seeds (``examples/ppo.py``, whose every batch
+starts from fresh resets, resumes exactly). ``--device cuda`` puts the frozen policy, the
 SAC networks, the loss, the environments' tensors and the replay buffer on the GPU; the
 simulators stay on the CPU.
 """
@@ -541,14 +542,16 @@ def make_collector(
     """RANDOM exploration (noise sampled from the actor), uniform noise for the first
     ``random_env_steps`` (less what the buffer already holds, ``buffered`` decisions).
 
-    The collector resets its env when it is built, so the env is seeded first.
+    The collector resets its env when it is built, so the env is seeded first, with the
+    seeds of the first batch it collects (:func:`~torchrl_flowpolicy.protocol.training_seed`
+    of iteration ``run.iteration + 1``); its later resets continue each environment's stream.
     """
     decisions_per_batch = config.num_envs * config.decisions_per_batch
     steps_per_batch = decisions_per_batch * executed_chunk_length  # an upper bound
     random_decisions = max(config.random_env_steps // executed_chunk_length - buffered, 0)
     random_decisions = -(-random_decisions // decisions_per_batch) * decisions_per_batch
     remaining_batches = -(-max(config.total_env_steps - run.env_steps, 0) // steps_per_batch)
-    train_env.set_seed(training_seed(config.seed, run.iteration, config.num_envs))
+    train_env.set_seed(training_seed(config.seed, run.iteration + 1, config.num_envs))
     return Collector(
         train_env,
         actor,

@@ -17,12 +17,12 @@ the loss, the batches and the replay buffer on the GPU; the simulators stay on t
 
 Under ``torchrun --nproc_per_node N`` the learner is data-parallel
 (``torchrl_flowpolicy.distributed``): rank ``r`` seeds torch with ``seed + r`` and collects
-``num_envs`` environments of its own (reset seeds ``seed + r * num_envs + i``, all below the
-evaluation seeds), every rank starts from rank 0's weights, and each minibatch's gradients are
-averaged over the ranks before clipping, so that the ranks keep identical weights. A batch
-is then ``N`` times larger and ``total_env_steps`` counts the steps of all ranks. Advantages
-are standardised per rank and minibatch, and self-imitation averages over each rank's own
-successes. Rank 0 alone pretrains (the others wait), evaluates, logs its own diagnostics,
+``num_envs`` environments of its own (in each batch's reset seeds, rank ``r``'s environments
+follow those of ranks ``0 .. r - 1``), every rank starts from rank 0's weights, and each
+minibatch's gradients are averaged over the ranks before clipping, so that the ranks keep
+identical weights. A batch is then ``N`` times larger and ``total_env_steps`` counts the
+steps of all ranks. Advantages are standardised per rank and minibatch, and
+self-imitation averages over each rank's own successes. Rank 0 alone pretrains (the others wait), evaluates, logs its own diagnostics,
 checkpoints and writes the protocol, plot and summary.
 
 ``main`` reads top to bottom: seed, pretrained policy, evaluation env and baselines (BC under
@@ -30,6 +30,15 @@ both decodings, the expert), learner (critic, loss, optimisers), resume, collect
 loop (one PPO iteration per batch, evaluate, log, checkpoint), final evaluation, held-out
 protocol, plot, summary. ``--quick`` runs the whole chain in about a minute; ``--resume``
 continues a killed run.
+
+Exact resume: every batch starts from fresh resets of all environments, seeded from the run
+seed and the iteration (``torchrl_flowpolicy.protocol.training_seed``), and a checkpoint
+holds every random generator's state (torch, NumPy, Python's ``random``; CUDA's when in
+use) besides the weights and optimisers. A run killed at any moment and resumed with
+``--resume`` therefore logs the numbers of the uninterrupted run, bit for bit, on the same
+machine with one collector process (``tests/test_main_job.py``). With collector workers,
+Ray or ``torchrun`` a resumed run starts each batch from the same states but its sampling
+noise comes from streams the checkpoint does not hold, so its numbers differ.
 """
 
 from __future__ import annotations
@@ -393,10 +402,13 @@ def make_collector(
     RANDOM exploration: the Flow-SDE sampler with K = ``num_steps``. With one worker, a
     ``Collector`` in this process; with ``collector_workers = W``, a ``MultiSyncCollector``
     (or a ``RayCollector`` with ``collector_backend="ray"``, see :func:`make_ray_collector`)
-    whose worker ``w`` steps ``num_envs / W`` environments seeded from
-    ``seed + w * num_envs / W``: the same initial states as one process, batches
-    concatenated along the environment dimension, ``[num_envs, T]`` either way. Each env is
-    seeded before the collector's first reset.
+    whose worker ``w`` steps ``num_envs / W`` environments: batches concatenated along the
+    environment dimension, ``[num_envs, T]`` either way.
+
+    Every batch starts from fresh resets of all environments (TorchRL's
+    ``reset_at_each_iter``): no episode runs on from one batch into the next. Seed them
+    before each batch with :func:`seed_batch`; environment ``i`` (over all workers) is also
+    seeded with ``seed + i`` before the collector's own first reset, when it is built.
 
     Devices: the policy runs on ``device`` (the policy passed must be there), the simulators
     on the CPU (``env_device``), and the batches are stored on ``device``.
@@ -406,28 +418,54 @@ def make_collector(
             policy, config, executed_chunk_length, decisions_per_batch, seed, device
         )
     workers = config.collector_workers
-    devices = {"policy_device": device, "env_device": "cpu", "storing_device": device}
+    options = {
+        "frames_per_batch": decisions_per_batch,
+        "total_frames": -1,
+        "exploration_type": ExplorationType.RANDOM,
+        "reset_at_each_iter": True,  # a batch starts from the resets that seed_batch seeds
+        "auto_register_policy_transforms": False,  # not recurrent: no InitTracker needed
+        "policy_device": device,
+        "env_device": "cpu",
+        "storing_device": device,
+    }
     if workers == 1:
-        return Collector(
-            seeded_env(config, config.num_envs, executed_chunk_length, seed),
-            policy,
-            frames_per_batch=decisions_per_batch,
-            total_frames=-1,
-            exploration_type=ExplorationType.RANDOM,
-            auto_register_policy_transforms=False,  # not recurrent: no InitTracker needed
-            **devices,
-        )
+        env = seeded_env(config, config.num_envs, executed_chunk_length, seed)
+        return Collector(env, policy, **options)
     return MultiSyncCollector(
         worker_env_factories(config, workers, executed_chunk_length, seed),
         policy,
-        frames_per_batch=decisions_per_batch,
-        total_frames=-1,
-        exploration_type=ExplorationType.RANDOM,
-        auto_register_policy_transforms=False,  # not recurrent: no InitTracker needed
         cat_results=0,
         num_threads=config.threads,
         num_sub_threads=1,
-        **devices,
+        **options,
+    )
+
+
+def first_reset_seed(config: PPOConfig, iteration: int, rank: int = 0, world_size: int = 1) -> int:
+    """The reset seed of this process's first environment in the batch of PPO iteration
+    ``iteration``: :func:`~torchrl_flowpolicy.protocol.training_seed` over the environments
+    of all ``world_size`` processes, in which rank ``r``'s follow those of ranks
+    ``0 .. r - 1``."""
+    first = training_seed(config.seed, iteration, world_size * config.num_envs)
+    return first + rank * config.num_envs
+
+
+def seed_batch(
+    collector: Collector | MultiSyncCollector | RayCollector, config: PPOConfig, seed: int
+) -> None:
+    """Seed the resets that start the collector's next batch: environment ``i`` (worker
+    ``w``'s environment ``j`` is ``i = w * num_envs / W + j``) resets with ``seed + i``.
+
+    Call it before each batch with the :func:`first_reset_seed` of the iteration that the
+    batch starts: a batch's initial states are then a function of the run seed and the
+    iteration alone, and a resumed run starts each batch from the states of the
+    uninterrupted run. TorchRL's ``map_fn`` calls each worker's
+    ``env.set_seed`` (in this process for a ``Collector``).
+    """
+    workers = 1 if isinstance(collector, Collector) else config.collector_workers
+    envs_per_worker = config.num_envs // workers
+    collector.map_fn(
+        "env.set_seed", [(seed + worker * envs_per_worker,) for worker in range(workers)]
     )
 
 
@@ -446,8 +484,8 @@ def make_ray_collector(
     device: torch.device | str = "cpu",
 ) -> RayCollector:
     """TorchRL's ``RayCollector``: ``collector_workers`` Ray actors, each a ``Collector`` of
-    ``num_envs / W`` environments seeded as in :func:`make_collector`, synchronous (a batch
-    holds every worker's share).
+    ``num_envs / W`` environments seeded and reset as in :func:`make_collector`, synchronous
+    (a batch holds every worker's share).
 
     Ray: joins the cluster at ``ray_address`` (see :class:`PPOConfig`), or starts a local
     instance, unless this process is connected already. Each actor reserves one CPU (and,
@@ -481,7 +519,7 @@ def make_ray_collector(
         total_frames=2**62,
         exploration_type=ExplorationType.RANDOM,
         collector_class=Collector,
-        collector_kwargs={"auto_register_policy_transforms": False},
+        collector_kwargs={"auto_register_policy_transforms": False, "reset_at_each_iter": True},
         # "cuda" without an index: each actor's own GPU (Ray sets CUDA_VISIBLE_DEVICES).
         policy_device="cuda" if on_gpu else "cpu",
         env_device="cpu",
@@ -715,12 +753,11 @@ def main(config: PPOConfig) -> dict:
     broadcast_parameters(learner.policy)  # every rank starts from rank 0's weights
     broadcast_parameters(learner.critic)
 
-    # Collector (a batch: episodes_per_batch full-length episodes' decisions per env),
-    # minibatch sampler, logger (a resumed run's CSV files lose the rows logged after its
-    # checkpoint, which it logs again).
+    # Collector (a batch: episodes_per_batch full-length episodes' decisions per env, from
+    # fresh resets seeded per iteration), minibatch sampler, logger (a resumed run's CSV
+    # files lose the rows logged after its checkpoint, which it logs again).
     decisions_per_batch = config.num_envs * config.episodes_per_batch * max_decisions
-    seed = training_seed(config.seed, iteration, world_size * config.num_envs)
-    seed += rank * config.num_envs  # rank r's environments follow those of ranks 0 .. r - 1
+    seed = first_reset_seed(config, iteration + 1, rank, world_size)
     collector = make_collector(policy, config, executed, decisions_per_batch, seed, device)
     replay_buffer = make_replay_buffer(config, decisions_per_batch, device)
     if main_process:
@@ -744,6 +781,8 @@ def main(config: PPOConfig) -> dict:
     policy_weights = TensorDict.from_module(policy)  # a view: always the current weights
     while env_steps < config.total_env_steps:
         collected = time.perf_counter()
+        seed = first_reset_seed(config, iteration + 1, rank, world_size)
+        seed_batch(collector, config, seed)  # the batch's initial states
         batch = next(batches)
         collect_seconds = time.perf_counter() - collected
         iteration += 1
