@@ -34,6 +34,7 @@ Run::
     python benchmarks/bench_loss.py                  # full run (a few minutes)
     python benchmarks/bench_loss.py --quick          # smoke run (well under a minute)
     python benchmarks/bench_loss.py --output loss.json --threads 2 --profile
+    python benchmarks/bench_loss.py --no-check-data  # the loss without its data checks
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Row:
 class Workload:
     """A policy, a freshly sampled batch and the three ways to take an actor gradient."""
 
-    def __init__(self, name: str, batch_size: int):
+    def __init__(self, name: str, batch_size: int, check_data: bool = True):
         torch.manual_seed(0)
         network, encoder = build_networks(name)
         self.policy = FlowSDEPolicy(
@@ -104,7 +105,9 @@ class Workload:
         with set_exploration_type(ExplorationType.RANDOM), torch.no_grad():
             self.data = self.policy(TensorDict({"observation": observation}, [batch_size]))
         self.data["advantage"] = torch.randn(batch_size, 1)
-        self.loss = DenoisingClipPPOLoss(self.policy, clip_epsilon=CLIP_EPSILON)
+        self.loss = DenoisingClipPPOLoss(
+            self.policy, clip_epsilon=CLIP_EPSILON, check_data=check_data
+        )
 
         # Inputs of the baselines, prepared once (outside the clock).
         with torch.no_grad():
@@ -193,9 +196,17 @@ def time_calls(workload: Workload, function: Callable[[], None], calls: int) -> 
     return total / calls
 
 
-def measure(name: str, batch_size: int, *, rounds: int, calls_per_round: int, warmup: int) -> Row:
+def measure(
+    name: str,
+    batch_size: int,
+    *,
+    rounds: int,
+    calls_per_round: int,
+    warmup: int,
+    check_data: bool = True,
+) -> Row:
     """Interleaved timing of the three methods for one network."""
-    workload = Workload(name, batch_size)
+    workload = Workload(name, batch_size, check_data)
     workload.check()
     for method in METHODS:
         time_calls(workload, workload.method(method), warmup)
@@ -234,13 +245,15 @@ def measure(name: str, batch_size: int, *, rounds: int, calls_per_round: int, wa
     )
 
 
-def profile(name: str, batch_size: int, *, repeats: int) -> dict[str, float]:
+def profile(
+    name: str, batch_size: int, *, repeats: int, check_data: bool = True
+) -> dict[str, float]:
     """Median milliseconds of the pieces of the loss's forward (and the backward).
 
     Each piece is timed on its own, in the loss's order, ``repeats`` times; the pieces are
     the loss's own building blocks called the way ``forward`` calls them.
     """
-    workload = Workload(name, batch_size)
+    workload = Workload(name, batch_size, check_data)
     loss, policy, data = workload.loss, workload.policy, workload.data
     pieces: dict[str, Callable[[], object]] = {
         "clone(False)": lambda: data.clone(False),
@@ -325,6 +338,11 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "--calls-per-round", type=int, default=None, help="consecutive calls timed per round"
     )
     parser.add_argument("--profile", action="store_true", help="break the loss's time down")
+    parser.add_argument(
+        "--no-check-data",
+        action="store_true",
+        help="DenoisingClipPPOLoss(check_data=False): without the checks of the stored data",
+    )
     parser.add_argument("--output", default=None, help="write the results as JSON to this path")
     return parser.parse_args(argv)
 
@@ -339,6 +357,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"torch {torch.__version__}, torchrl {torchrl.__version__}, threads "
         f"{torch.get_num_threads()}, K={NUM_STEPS}, noise_level={NOISE_LEVEL}, mixed, "
         f"batch {arguments.batch_size}; {rounds} interleaved rounds x {calls_per_round} calls"
+        + ("; check_data=False" if arguments.no_check_data else "")
     )
     rows = []
     profiles = {}
@@ -349,12 +368,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
             rounds=rounds,
             calls_per_round=calls_per_round,
             warmup=warmup,
+            check_data=not arguments.no_check_data,
         )
         rows.append(row)
         print(format_table([row]).splitlines()[-1], flush=True)
         if arguments.profile:
             profiles[name] = profile(
-                name, arguments.batch_size, repeats=5 if arguments.quick else 15
+                name,
+                arguments.batch_size,
+                repeats=5 if arguments.quick else 15,
+                check_data=not arguments.no_check_data,
             )
     print()
     print(format_table(rows))
@@ -374,6 +397,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             "sde_mode": "mixed",
             "action_shape": list(ACTION_SHAPE),
             "quick": arguments.quick,
+            "check_data": not arguments.no_check_data,
             "rows": [asdict(row) for row in rows],
             "profiles": profiles,
         }

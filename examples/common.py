@@ -29,12 +29,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import random
 import typing
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
@@ -43,7 +45,7 @@ from torchrl.envs import EnvBase, StepCounter
 from torchrl.record.loggers import CSVLogger, WandbLogger
 
 from torchrl_flowpolicy import FlowSDEPolicy
-from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint
+from torchrl_flowpolicy.checkpoint import atomic_write, load_checkpoint, save_checkpoint
 from torchrl_flowpolicy.envs import TASKS, get_task, make_chunked_env
 from torchrl_flowpolicy.evaluation import evaluate_decodings
 from torchrl_flowpolicy.networks import (
@@ -459,16 +461,77 @@ def load_policy(path: Path, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig,
     return policy, model_config, state
 
 
+def seed_random_generators(seed: int) -> None:
+    """Seed every random generator of :func:`random_state` (torch's on every device, NumPy's
+    global one, Python's ``random``) with ``seed``."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def random_state() -> dict[str, Any]:
+    """The state of every random generator a run draws from, as plain tensors and numbers
+    (what ``torch.load(weights_only=True)`` reads): torch's CPU generator, the CUDA
+    generators once CUDA is in use, NumPy's global generator and Python's ``random``.
+
+    The environments' own generators are not here, nor the simulators' states:
+    ``examples/ppo.py`` starts every batch from fresh resets whose seeds depend on the
+    iteration alone (:func:`~torchrl_flowpolicy.protocol.training_seed`).
+    """
+    numpy_state = np.random.get_state(legacy=False)
+    version, internal, gauss_next = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": numpy_state["state"]["pos"],
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        },
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_random_state(state: Mapping[str, Any]) -> None:
+    """Put every generator of :func:`random_state` back where ``state`` found it (the CUDA
+    generators only on a machine with CUDA; a state without them leaves them alone)."""
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        numpy_state = state["numpy"]
+        np.random.set_state(
+            {
+                "bit_generator": "MT19937",
+                "state": {
+                    "key": numpy_state["key"].numpy().astype(np.uint32),
+                    "pos": numpy_state["pos"],
+                },
+                "has_gauss": numpy_state["has_gauss"],
+                "gauss": numpy_state["gauss"],
+            }
+        )
+    if "python" in state:
+        python_state = state["python"]
+        random.setstate(
+            (python_state["version"], tuple(python_state["internal"]), python_state["gauss_next"])
+        )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def save_run(path: Path, trained: Mapping[str, Any], **progress: Any) -> None:
     """An atomic run checkpoint, for ``--resume``.
 
     Holds ``trained[name].state_dict()`` for every entry (networks, optimisers, loss
     modules), the ``progress`` values as given (counters, history, replay-buffer content:
-    what ``torch.load(weights_only=True)`` reads) and the torch RNG state, so that a resumed
-    run continues the random stream where it stopped.
+    what ``torch.load(weights_only=True)`` reads) and, as ``"random_state"``, every random
+    generator's state (:func:`random_state`), so that a resumed run continues the random
+    streams where they stopped (:func:`restore_random_state`).
     """
     states = {name: item.state_dict() for name, item in trained.items()}
-    save_checkpoint({**states, **progress, "rng_state": torch.get_rng_state()}, path)
+    save_checkpoint({**states, **progress, "random_state": random_state()}, path)
 
 
 def require_run_checkpoint(path: Path) -> None:
@@ -529,23 +592,44 @@ def load_run(path: Path, expected: Mapping[str, Any]) -> dict[str, Any]:
 
 def resume_run(checkpoint: Path | Mapping[str, Any], trained: Mapping[str, Any]) -> dict[str, Any]:
     """Load a :func:`save_run` checkpoint (a path, or what :func:`load_run` returned) into
-    ``trained`` and restore the torch RNG state.
+    ``trained``.
+
+    The random generators are left alone: pass the returned ``"random_state"`` to
+    :func:`restore_random_state` where the uninterrupted run stood when it saved, just
+    before the first resumed iteration (after the set-up, whose draws the uninterrupted run
+    made before its first iteration). A checkpoint written before ``"random_state"`` existed
+    holds torch's state alone (``"rng_state"``); it is returned as ``{"torch": ...}``.
 
     Returns:
-        The ``progress`` values that :func:`save_run` was given.
+        The ``progress`` values that :func:`save_run` was given, and ``"random_state"``.
     """
     state = dict(checkpoint) if isinstance(checkpoint, Mapping) else load_checkpoint(checkpoint)
     for name, item in trained.items():
         item.load_state_dict(state.pop(name))
-    torch.set_rng_state(state.pop("rng_state"))
+    if "rng_state" in state:
+        state["random_state"] = {"torch": state.pop("rng_state")}
     return state
 
 
 # ----------------------------------------------------------------------------- logging
 class MetricLogger:
-    """TorchRL loggers named in ``names`` ("wandb" runs offline, "csv"), behind one ``log``."""
+    """TorchRL loggers named in ``names`` ("wandb" runs offline, "csv"), behind one ``log``.
 
-    def __init__(self, names: str, experiment: str, output_dir: Path, config: Any):
+    ``resume_step``: the logged step (env steps) of the checkpoint a resumed run starts
+    from. The rows that the CSV logger wrote after it, which the killed run logged after its
+    last checkpoint and the resumed run logs again, are removed first
+    (:func:`drop_rows_after`), so that the CSV files hold the rows of an uninterrupted run.
+    wandb writes a new offline run for the resumed one.
+    """
+
+    def __init__(
+        self,
+        names: str,
+        experiment: str,
+        output_dir: Path,
+        config: Any,
+        resume_step: int | None = None,
+    ):
         self.loggers = []
         for name in filter(None, names.split(",")):
             if name == "wandb":
@@ -559,7 +643,10 @@ class MetricLogger:
                     )
                 )
             elif name == "csv":
-                self.loggers.append(CSVLogger(experiment, log_dir=str(output_dir / "csv")))
+                directory = output_dir / "csv"
+                if resume_step is not None:
+                    drop_rows_after(directory / experiment / "scalars", resume_step)
+                self.loggers.append(CSVLogger(experiment, log_dir=str(directory)))
             else:
                 raise ValueError(f"unknown logger {name!r}: use 'wandb' and/or 'csv'.")
 
@@ -567,6 +654,25 @@ class MetricLogger:
         for logger in self.loggers:
             for name, value in metrics.items():
                 logger.log_scalar(name, value, step=step)
+
+
+def drop_rows_after(scalars: Path, step: int) -> list[Path]:
+    """Remove the rows logged after ``step`` from the CSV logger's files under ``scalars``.
+
+    Each file holds one ``step,value`` line per logged value. A last line without its line
+    break (a write cut short by a kill) is removed too. Files are rewritten atomically.
+
+    Returns:
+        The files that changed.
+    """
+    changed = []
+    for path in sorted(Path(scalars).rglob("*.csv")):
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.endswith("\n") and int(line.split(",")[0]) <= step]
+        if kept != lines:
+            atomic_write(path, lambda file, kept=kept: file.write("".join(kept).encode()))
+            changed.append(path)
+    return changed
 
 
 # ----------------------------------------------------------------------------- protocol

@@ -22,9 +22,12 @@ decodings, the expert), noise envs, SAC learner (noise actor, critics, loss, opt
 replay buffer, resume, collector, training loop (collect, ``utd_ratio`` updates per decision,
 log, evaluate, checkpoint), final evaluation, held-out protocol, plot, summary. ``python examples/dsrl.py --help`` lists every option;
 ``--quick`` runs the whole chain in under a minute; ``--resume`` continues a killed run
-(replay buffer included). ``--device cuda`` puts the frozen policy, the SAC networks, the
-loss, the environments' tensors and the replay buffer on the GPU; the simulators stay on
-the CPU.
+(replay buffer and random generators included). A resumed run is not bit-identical to an
+uninterrupted one: the episodes in progress at the checkpoint are lost, and its
+environments start anew from other reset seeds (``examples/ppo.py``, whose every batch
+starts from fresh resets, resumes exactly). ``--device cuda`` puts the frozen policy, the
+SAC networks, the loss, the environments' tensors and the replay buffer on the GPU; the
+simulators stay on the CPU.
 """
 
 from __future__ import annotations
@@ -84,8 +87,10 @@ from common import (
     plot_success_band,
     require_run_checkpoint,
     resolve_device,
+    restore_random_state,
     resume_run,
     save_run,
+    seed_random_generators,
     task_defaults,
     validate_config,
 )
@@ -537,14 +542,16 @@ def make_collector(
     """RANDOM exploration (noise sampled from the actor), uniform noise for the first
     ``random_env_steps`` (less what the buffer already holds, ``buffered`` decisions).
 
-    The collector resets its env when it is built, so the env is seeded first.
+    The collector resets its env when it is built, so the env is seeded first, with the
+    seeds of the first batch it collects (:func:`~torchrl_flowpolicy.protocol.training_seed`
+    of iteration ``run.iteration + 1``); its later resets continue each environment's stream.
     """
     decisions_per_batch = config.num_envs * config.decisions_per_batch
     steps_per_batch = decisions_per_batch * executed_chunk_length  # an upper bound
     random_decisions = max(config.random_env_steps // executed_chunk_length - buffered, 0)
     random_decisions = -(-random_decisions // decisions_per_batch) * decisions_per_batch
     remaining_batches = -(-max(config.total_env_steps - run.env_steps, 0) // steps_per_batch)
-    train_env.set_seed(training_seed(config.seed, run.iteration, config.num_envs))
+    train_env.set_seed(training_seed(config.seed, run.iteration + 1, config.num_envs))
     return Collector(
         train_env,
         actor,
@@ -589,15 +596,17 @@ def run_identity(config: DSRLConfig, model_config: ModelConfig) -> dict[str, Any
 
 def resume_dsrl_run(
     saved: dict[str, Any], learner: Learner, replay_buffer: ReplayBuffer
-) -> Progress:
+) -> tuple[Progress, dict[str, Any]]:
     """Load a :func:`save_dsrl_run` checkpoint, as :func:`common.load_run` returned it, into
-    ``learner`` and ``replay_buffer`` (RNG state included); returns the counters."""
+    ``learner`` and ``replay_buffer``; returns the counters and the random generators' state
+    (for :func:`common.restore_random_state`)."""
     saved = resume_run(saved, learner.trained())
     stored, length = saved.pop("replay_buffer"), saved.pop("buffer_length")
     replay_buffer.extend(TensorDict(stored, batch_size=[length]))
     for name in ("task", "model_config", "networks"):
         saved.pop(name, None)
-    return Progress(**{**saved, "history": json.loads(saved["history"])})
+    random_state = saved.pop("random_state")
+    return Progress(**{**saved, "history": json.loads(saved["history"])}), random_state
 
 
 def make_replay_buffer(
@@ -664,7 +673,7 @@ def main(config: DSRLConfig) -> dict:
     run_checkpoint = Path(config.output_dir) / "checkpoint.pt"
     if config.resume:
         require_run_checkpoint(run_checkpoint)
-    torch.manual_seed(config.seed)
+    seed_random_generators(config.seed)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -696,17 +705,25 @@ def main(config: DSRLConfig) -> dict:
     actor, learner = make_learner(policy, train_env.full_action_spec_unbatched, config, executed)
     replay_buffer = make_replay_buffer(config, executed, device)
 
-    # Resume: networks, optimisers, buffer, counters, history and RNG state.
-    run = Progress()
+    # Resume: networks, optimisers, buffer, counters and history.
+    run, random_state = Progress(), None
     if saved is not None:
-        run = resume_dsrl_run(saved, learner, replay_buffer)
+        run, random_state = resume_dsrl_run(saved, learner, replay_buffer)
         del saved  # the stored decisions now live in the replay buffer
         print(f"resumed from iteration {run.iteration} ({run.env_steps} env steps)")
 
-    # Collector, logger, evaluation.
+    # Collector, logger (a resumed run's CSV files lose the rows logged after its
+    # checkpoint, which it logs again), evaluation; the random streams where the checkpoint
+    # left them.
     collector = make_collector(actor, train_env, config, executed, len(replay_buffer), run)
-    log = MetricLogger(config.loggers, f"dsrl_seed{config.seed}", output_dir, config).log
+    experiment, resume_step = (
+        f"dsrl_seed{config.seed}",
+        run.env_steps if random_state is not None else None,
+    )
+    log = MetricLogger(config.loggers, experiment, output_dir, config, resume_step).log
     evaluate = Evaluator(actor, eval_env, max_decisions, CURVE_SEED, config.eval_episodes, log)
+    if random_state is not None:
+        restore_random_state(random_state)
 
     # Training loop (after evaluating the actor's starting point).
     training_start = time.perf_counter() - run.wall_seconds  # a resumed run goes on counting

@@ -17,23 +17,23 @@ the loss, the batches and the replay buffer on the GPU; the simulators stay on t
 
 Under ``torchrun --nproc_per_node N`` the learner is data-parallel
 (``torchrl_flowpolicy.distributed``): rank ``r`` seeds torch with ``seed + r`` and collects
-``num_envs`` environments of its own (reset seeds ``seed + r * num_envs + i``, all below the
-evaluation seeds), every rank starts from rank 0's weights, and each minibatch's gradients are
-averaged over the ranks before clipping, so that the ranks keep identical weights. A batch
-is then ``N`` times larger and ``total_env_steps`` counts the steps of all ranks. Advantages
-are standardised per rank and minibatch, and self-imitation averages over each rank's own
-successes. Rank 0 alone pretrains (the others wait), evaluates, logs its own diagnostics,
-checkpoints and writes the protocol, plot and summary.
+``num_envs`` environments of its own (in each batch's reset seeds, rank ``r``'s environments
+follow those of ranks ``0 .. r - 1``), every rank starts from rank 0's weights, and each
+minibatch's gradients are averaged over the ranks before clipping, so that the ranks keep
+identical weights. A batch is then ``N`` times larger and ``total_env_steps`` counts the steps
+of all ranks. Advantages are standardised per rank and minibatch, and self-imitation averages
+over each rank's own successes. Rank 0 alone pretrains (the others wait), evaluates, logs its
+own diagnostics, checkpoints and writes the protocol, plot and summary.
 
 With ``--advantage grpo`` there is no critic (group-relative PPO, as Flow-GRPO and pi-RL
 fine-tune flow policies): the ``num_envs`` environments form groups of ``group_size`` that
-start every batch from one initial state per group (``BatchedGymEnv(group_size=...)``,
-seeds :func:`~torchrl_flowpolicy.protocol.grouped_training_seed`, the collector resetting
-every environment at each batch), a batch holds one episode per environment (the decisions
-after an early end, which the collector starts anew, are dropped), and each episode's return
-is scored against its group's (:class:`~torchrl_flowpolicy.objectives.GroupRelativeAdvantage`)
-before ``DenoisingClipPPOLoss`` without a critic. It needs the in-process collector (one
-worker): the groups are reseeded from this process before every batch.
+start every batch from one initial state per group (``BatchedGymEnv(group_size=...)``, one seed
+per group and batch, :func:`~torchrl_flowpolicy.protocol.training_seed`), a batch holds one
+episode per environment (the decisions after an early end, which the collector starts anew, are
+dropped), and each episode's return is scored against its group's
+(:class:`~torchrl_flowpolicy.objectives.GroupRelativeAdvantage`) before
+``DenoisingClipPPOLoss`` without a critic. It needs the in-process collector (one worker): the
+groups are reseeded from this process before every batch.
 
 ``main`` reads top to bottom: seed, pretrained policy, evaluation env and baselines (BC under
 both decodings, the expert), learner (critic, loss, optimisers), resume, collector, training
@@ -47,6 +47,15 @@ none), predicts the std of every stochastic step on the Euler ODE mean, bounded 
 ``[min_noise_std, max_noise_std]``; it is trained with the policy (its own learning rate),
 ``--entropy_coeff`` gives the entropy bonus a gradient, and the head is saved in the run
 checkpoint (``docs/learned_noise.md``).
+
+Exact resume: every batch starts from fresh resets of all environments, seeded from the run
+seed and the iteration (``torchrl_flowpolicy.protocol.training_seed``), and a checkpoint
+holds every random generator's state (torch, NumPy, Python's ``random``; CUDA's when in
+use) besides the weights and optimisers. A run killed at any moment and resumed with
+``--resume`` therefore logs the numbers of the uninterrupted run, bit for bit, on the same
+machine with one collector process (``tests/test_main_job.py``). With collector workers,
+Ray or ``torchrun`` a resumed run starts each batch from the same states but its sampling
+noise comes from streams the checkpoint does not hold, so its numbers differ.
 """
 
 from __future__ import annotations
@@ -93,8 +102,6 @@ from torchrl_flowpolicy.objectives import (  # noqa: E402
 )
 from torchrl_flowpolicy.protocol import (  # noqa: E402
     CURVE_SEED,
-    MAX_GROUPS,
-    grouped_training_seed,
     training_seed,
 )
 
@@ -117,8 +124,10 @@ from common import (
     plot_success_band,
     require_run_checkpoint,
     resolve_device,
+    restore_random_state,
     resume_run,
     save_run,
+    seed_random_generators,
     task_defaults,
     validate_config,
 )
@@ -262,12 +271,6 @@ class PPOConfig(TaskOptions):
                 f"--num_envs {self.num_envs}: must be a multiple of --group_size "
                 f"{self.group_size} with --advantage grpo (groups of group_size environments "
                 f"start from one initial state)"
-            )
-        elif self.num_envs // self.group_size > MAX_GROUPS:
-            conflicts.append(
-                f"--num_envs {self.num_envs}: must be at most {MAX_GROUPS} groups of --group_size "
-                f"{self.group_size} with --advantage grpo (each batch's groups are reset with "
-                f"seeds 1000 apart)"
             )
         if self.episodes_per_batch != 1:
             conflicts.append(
@@ -490,16 +493,6 @@ def seeded_env(config: PPOConfig, num_envs: int, executed_chunk_length: int, see
     return env
 
 
-def group_seed(config: PPOConfig, iteration: int, rank: int = 0, world_size: int = 1) -> int:
-    """``--advantage grpo``: the reset seed of the batch collected after ``iteration``
-    iterations; environment ``i`` of rank ``r`` resets with it ``+ i // group_size`` (rank
-    ``r``'s groups follow those of ranks 0 .. r - 1). See
-    :func:`~torchrl_flowpolicy.protocol.grouped_training_seed`."""
-    num_groups = config.num_envs // config.group_size
-    first = grouped_training_seed(config.seed, iteration, world_size * num_groups)
-    return first + rank * num_groups
-
-
 def worker_env_factories(
     config: PPOConfig, workers: int, executed_chunk_length: int, seed: int
 ) -> list[functools.partial]:
@@ -527,47 +520,78 @@ def make_collector(
     RANDOM exploration: the Flow-SDE sampler with K = ``num_steps``. With one worker, a
     ``Collector`` in this process; with ``collector_workers = W``, a ``MultiSyncCollector``
     (or a ``RayCollector`` with ``collector_backend="ray"``, see :func:`make_ray_collector`)
-    whose worker ``w`` steps ``num_envs / W`` environments seeded from
-    ``seed + w * num_envs / W``: the same initial states as one process, batches
-    concatenated along the environment dimension, ``[num_envs, T]`` either way. Each env is
-    seeded before the collector's first reset.
+    whose worker ``w`` steps ``num_envs / W`` environments: batches concatenated along the
+    environment dimension, ``[num_envs, T]`` either way.
+
+    Every batch starts from fresh resets of all environments (TorchRL's
+    ``reset_at_each_iter``): no episode runs on from one batch into the next. Seed them
+    before each batch with :func:`seed_batch`; environment ``i`` (over all workers) is also
+    seeded with ``seed + i`` before the collector's own first reset, when it is built.
 
     Devices: the policy runs on ``device`` (the policy passed must be there), the simulators
     on the CPU (``env_device``), and the batches are stored on ``device``.
 
-    ``--advantage grpo``: the collector resets every environment at the start of each batch
-    (``reset_at_each_iter``), so that seeding it before the batch (``collector.set_seed``
-    with :func:`group_seed`) starts each group from one initial state.
+    ``--advantage grpo``: :func:`seed_batch` then seeds groups of ``group_size``
+    environments alike (:func:`seeded_env`), so that each group starts a batch from one
+    initial state.
     """
     if config.collector_backend == "ray":
         return make_ray_collector(
             policy, config, executed_chunk_length, decisions_per_batch, seed, device
         )
     workers = config.collector_workers
-    devices = {"policy_device": device, "env_device": "cpu", "storing_device": device}
+    options = {
+        "frames_per_batch": decisions_per_batch,
+        "total_frames": -1,
+        "exploration_type": ExplorationType.RANDOM,
+        "reset_at_each_iter": True,  # a batch starts from the resets that seed_batch seeds
+        "auto_register_policy_transforms": False,  # not recurrent: no InitTracker needed
+        "policy_device": device,
+        "env_device": "cpu",
+        "storing_device": device,
+    }
     if workers == 1:
-        return Collector(
-            seeded_env(config, config.num_envs, executed_chunk_length, seed),
-            policy,
-            frames_per_batch=decisions_per_batch,
-            total_frames=-1,
-            exploration_type=ExplorationType.RANDOM,
-            auto_register_policy_transforms=False,  # not recurrent: no InitTracker needed
-            # grpo: every batch starts from fresh (grouped) resets, one episode per env.
-            reset_at_each_iter=config.advantage == "grpo",
-            **devices,
-        )
+        env = seeded_env(config, config.num_envs, executed_chunk_length, seed)
+        return Collector(env, policy, **options)
     return MultiSyncCollector(
         worker_env_factories(config, workers, executed_chunk_length, seed),
         policy,
-        frames_per_batch=decisions_per_batch,
-        total_frames=-1,
-        exploration_type=ExplorationType.RANDOM,
-        auto_register_policy_transforms=False,  # not recurrent: no InitTracker needed
         cat_results=0,
         num_threads=config.threads,
         num_sub_threads=1,
-        **devices,
+        **options,
+    )
+
+
+def first_reset_seed(config: PPOConfig, iteration: int, rank: int = 0, world_size: int = 1) -> int:
+    """The reset seed of this process's first environment in the batch of PPO iteration
+    ``iteration``: :func:`~torchrl_flowpolicy.protocol.training_seed` over the environments
+    of all ``world_size`` processes, in which rank ``r``'s follow those of ranks
+    ``0 .. r - 1``. With ``--advantage grpo`` the seeds count groups: group ``g`` resets
+    with this seed ``+ g``."""
+    units = config.num_envs  # --advantage grpo: groups, each reset with one seed
+    if config.advantage == "grpo":
+        units = config.num_envs // config.group_size
+    first = training_seed(config.seed, iteration, world_size * units)
+    return first + rank * units
+
+
+def seed_batch(
+    collector: Collector | MultiSyncCollector | RayCollector, config: PPOConfig, seed: int
+) -> None:
+    """Seed the resets that start the collector's next batch: environment ``i`` (worker
+    ``w``'s environment ``j`` is ``i = w * num_envs / W + j``) resets with ``seed + i``.
+
+    Call it before each batch with the :func:`first_reset_seed` of the iteration that the
+    batch starts: a batch's initial states are then a function of the run seed and the
+    iteration alone, and a resumed run starts each batch from the states of the
+    uninterrupted run. TorchRL's ``map_fn`` calls each worker's
+    ``env.set_seed`` (in this process for a ``Collector``).
+    """
+    workers = 1 if isinstance(collector, Collector) else config.collector_workers
+    envs_per_worker = config.num_envs // workers
+    collector.map_fn(
+        "env.set_seed", [(seed + worker * envs_per_worker,) for worker in range(workers)]
     )
 
 
@@ -586,8 +610,8 @@ def make_ray_collector(
     device: torch.device | str = "cpu",
 ) -> RayCollector:
     """TorchRL's ``RayCollector``: ``collector_workers`` Ray actors, each a ``Collector`` of
-    ``num_envs / W`` environments seeded as in :func:`make_collector`, synchronous (a batch
-    holds every worker's share).
+    ``num_envs / W`` environments seeded and reset as in :func:`make_collector`, synchronous
+    (a batch holds every worker's share).
 
     Ray: joins the cluster at ``ray_address`` (see :class:`PPOConfig`), or starts a local
     instance, unless this process is connected already. Each actor reserves one CPU (and,
@@ -621,7 +645,7 @@ def make_ray_collector(
         total_frames=2**62,
         exploration_type=ExplorationType.RANDOM,
         collector_class=Collector,
-        collector_kwargs={"auto_register_policy_transforms": False},
+        collector_kwargs={"auto_register_policy_transforms": False, "reset_at_each_iter": True},
         # "cuda" without an index: each actor's own GPU (Ray sets CUDA_VISIBLE_DEVICES).
         policy_device="cuda" if on_gpu else "cpu",
         env_device="cpu",
@@ -894,7 +918,7 @@ def main(config: PPOConfig) -> dict:
     rank, world_size = init_distributed()  # (0, 1) unless launched by torchrun
     device = check_config(config, world_size)  # unavailable device, bad split: fail now
     main_process = rank == 0
-    torch.manual_seed(config.seed + rank)
+    seed_random_generators(config.seed + rank)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -923,7 +947,7 @@ def main(config: PPOConfig) -> dict:
         eval_env = make_eval_env(config, config.eval_episodes, executed, device)
         baselines = curve_baselines(policy, eval_env, max_decisions, config)
 
-    # Critic, loss, optimisers; resumed with the counters, history and RNG state if asked.
+    # Critic, loss, optimisers; resumed with the counters and history if asked.
     learner = make_learner(policy, config, executed)
     iteration, env_steps, history = 0, 0, []
     if saved is not None:
@@ -931,21 +955,25 @@ def main(config: PPOConfig) -> dict:
         iteration, env_steps = saved["iteration"], saved["env_steps"]
         history = json.loads(saved["history"])
         print(f"resumed from iteration {iteration} ({env_steps} env steps)")
-        if world_size > 1:  # the checkpoint holds rank 0's RNG state: one stream per rank
-            torch.manual_seed(config.seed + rank + 1000 * iteration)
     broadcast_parameters(learner.policy)  # every rank starts from rank 0's weights
     if learner.critic is not None:
         broadcast_parameters(learner.critic)
 
-    # Collector (a batch: episodes_per_batch full-length episodes' decisions per env),
-    # minibatch sampler, logger.
+    # Collector (a batch: episodes_per_batch full-length episodes' decisions per env, from
+    # fresh resets seeded per iteration), minibatch sampler, logger (a resumed run's CSV
+    # files lose the rows logged after its checkpoint, which it logs again).
     decisions_per_batch = config.num_envs * config.episodes_per_batch * max_decisions
-    seed = training_seed(config.seed, iteration, world_size * config.num_envs)
-    seed += rank * config.num_envs  # rank r's environments follow those of ranks 0 .. r - 1
+    seed = first_reset_seed(config, iteration + 1, rank, world_size)
     collector = make_collector(policy, config, executed, decisions_per_batch, seed, device)
     replay_buffer = make_replay_buffer(config, decisions_per_batch, device)
     if main_process:
-        log = MetricLogger(config.loggers, f"ppo_seed{config.seed}", output_dir, config).log
+        experiment, resume_step = f"ppo_seed{config.seed}", env_steps if saved else None
+        log = MetricLogger(config.loggers, experiment, output_dir, config, resume_step).log
+    # The random streams where the checkpoint left them, just before the first iteration.
+    if saved is not None and world_size == 1:
+        restore_random_state(saved["random_state"])
+    elif saved is not None:  # the checkpoint holds rank 0's streams: one stream per rank
+        seed_random_generators(config.seed + rank + 1000 * iteration)
 
     # Training loop: one PPO iteration per batch, evaluation, logging, checkpoints; until
     # the env-step budget is spent (a batch's env steps: its decisions' executed rows).
@@ -959,8 +987,8 @@ def main(config: PPOConfig) -> dict:
     policy_weights = TensorDict.from_module(policy)  # a view: always the current weights
     while env_steps < config.total_env_steps:
         collected = time.perf_counter()
-        if config.advantage == "grpo":  # every group starts this batch from one state
-            collector.set_seed(group_seed(config, iteration, rank, world_size))
+        seed = first_reset_seed(config, iteration + 1, rank, world_size)
+        seed_batch(collector, config, seed)  # the batch's initial states
         batch = next(batches)
         collect_seconds = time.perf_counter() - collected
         iteration += 1

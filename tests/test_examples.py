@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib
 import json
+import random
 import re
 import runpy
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from torchrl_flowpolicy.checkpoint import save_checkpoint
 from torchrl_flowpolicy.networks import ObservationNormalizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,25 +286,31 @@ def test_pretraining_is_an_explicit_call_that_leaves_the_config_alone(
     assert pretrain_config == pretrain.config_for_run(config)
 
 
-def test_run_checkpoint_round_trip_restores_state_and_random_stream(examples_on_path, tmp_path):
-    from common import resume_run, save_run
+def test_run_checkpoint_round_trip_restores_state_and_random_streams(examples_on_path, tmp_path):
+    from common import restore_random_state, resume_run, save_run, seed_random_generators
 
-    torch.manual_seed(0)
+    seed_random_generators(0)
     network = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(network.parameters())
     network(torch.randn(4, 3)).sum().backward()
     optimizer.step()
     save_run(tmp_path / "run.pt", {"net": network, "opt": optimizer}, iteration=7, history="[]")
-    expected_draw = torch.rand(3)
+    expected_draws = (torch.rand(3), np.random.rand(3), random.random())
 
-    torch.manual_seed(1)
+    seed_random_generators(1)
     other = torch.nn.Linear(3, 2)
     other_optimizer = torch.optim.Adam(other.parameters())
     progress = resume_run(tmp_path / "run.pt", {"net": other, "opt": other_optimizer})
+    random_state = progress.pop("random_state")
     assert progress == {"iteration": 7, "history": "[]"}
     torch.testing.assert_close(other.weight, network.weight, rtol=0, atol=0)
     assert other_optimizer.state_dict()["state"][0]["step"] == 1
-    torch.testing.assert_close(torch.rand(3), expected_draw, rtol=0, atol=0)
+    # resume_run leaves the streams alone; restore_random_state puts all three back.
+    assert not torch.equal(torch.rand(3), expected_draws[0])
+    restore_random_state(random_state)
+    torch.testing.assert_close(torch.rand(3), expected_draws[0], rtol=0, atol=0)
+    np.testing.assert_array_equal(np.random.rand(3), expected_draws[1])
+    assert random.random() == expected_draws[2]
 
 
 def test_learned_noise_head_is_saved_with_the_run_and_rebuilt_on_load(examples_on_path, tmp_path):
@@ -362,3 +372,45 @@ def test_learned_noise_head_is_saved_with_the_run_and_rebuilt_on_load(examples_o
     for name, value in head.state_dict().items():
         assert torch.equal(resumed.policy.noise_head.state_dict()[name], value), name
     assert resumed.actor_optimizer.param_groups[1]["lr"] == 1e-3
+
+
+def test_a_checkpoint_of_the_earlier_format_resumes_torchs_stream(examples_on_path, tmp_path):
+    # Checkpoints written before "random_state" held torch's state alone, as "rng_state".
+    from common import restore_random_state, resume_run
+
+    torch.manual_seed(0)
+    save_checkpoint(
+        {"net": torch.nn.Linear(3, 2).state_dict(), "rng_state": torch.get_rng_state()},
+        tmp_path / "old.pt",
+    )
+    expected = torch.rand(3)
+    progress = resume_run(tmp_path / "old.pt", {"net": torch.nn.Linear(3, 2)})
+    restore_random_state(progress["random_state"])
+    torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)
+
+
+def test_a_resumed_runs_csv_files_lose_the_rows_logged_after_its_checkpoint(
+    examples_on_path, tmp_path
+):
+    from common import MetricLogger
+
+    config = argparse.Namespace(seed=0)
+    logger = MetricLogger("csv", "ppo_seed0", tmp_path, config)
+    for step in (600, 1200, 1800):  # the checkpoint holds step 1200
+        logger.log({"train/chunk_reward": step / 1000, "iteration": step // 600}, step)
+    scalars = tmp_path / "csv" / "ppo_seed0" / "scalars"
+    with (scalars / "iteration.csv").open("a") as file:
+        file.write("24")  # a write cut short by the kill
+    resumed = MetricLogger("csv", "ppo_seed0", tmp_path, config, resume_step=1200)
+    resumed.log({"train/chunk_reward": 1.9, "iteration": 3}, 1800)
+    assert (scalars / "train" / "chunk_reward.csv").read_text().splitlines() == [
+        "600,0.6",
+        "1200,1.2",
+        "1800,1.9",
+    ]
+    assert (scalars / "iteration.csv").read_text().splitlines() == [
+        "600,1.0",
+        "1200,2.0",
+        "1800,3.0",
+    ]
+    assert not list(scalars.rglob(".*.tmp"))

@@ -66,8 +66,8 @@ def collect_batches(ppo, config, policy, iterations: int) -> list[TensorDict]:
     try:
         batches = iter(collector)
         collected = []
-        for iteration in range(iterations):
-            collector.set_seed(ppo.group_seed(config, iteration))
+        for iteration in range(1, iterations + 1):
+            ppo.seed_batch(collector, config, ppo.first_reset_seed(config, iteration))
             collected.append(next(batches))
         return collected
     finally:
@@ -77,19 +77,20 @@ def collect_batches(ppo, config, policy, iterations: int) -> list[TensorDict]:
 def test_each_batch_starts_every_group_from_one_seeded_state(ppo):
     config = grpo_config(ppo, num_envs=6)
     batches = collect_batches(ppo, config, example_policy(), iterations=3)
-    for iteration, batch in enumerate(batches):
+    for iteration, batch in enumerate(batches, start=1):
         assert batch.batch_size == (6, 3)
         assert (batch["step_count"][:, 0] == 0).all()  # every environment starts an episode
-        first = ppo.group_seed(config, iteration)
+        first = ppo.first_reset_seed(config, iteration)
         states = [gym.make("Pusher-v5").reset(seed=first + group)[0] for group in range(3)]
         np.testing.assert_allclose(
             batch["observation"][:, 0].numpy(), np.repeat(np.stack(states), 2, 0), rtol=1e-6
         )
-    assert [ppo.group_seed(config, iteration) for iteration in range(3)] == [0, 41_000, 42_000]
+    # Seeds count groups (3 of them): training_seed(0, n, 3).
+    assert [ppo.first_reset_seed(config, n) for n in (1, 2, 3)] == [0, 40_000, 70_000]
     # The members of a group draw their own noise: the chunks differ.
     assert not torch.equal(batches[0]["action"][0, 0], batches[0]["action"][1, 0])
     # Under torchrun, rank r's groups follow those of ranks 0 .. r - 1.
-    assert ppo.group_seed(config, 0, rank=1, world_size=2) == 3
+    assert ppo.first_reset_seed(config, 1, rank=1, world_size=2) == 3
 
 
 def test_group_relative_batch_keeps_each_environments_first_episode(ppo):

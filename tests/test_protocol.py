@@ -37,7 +37,6 @@ from torchrl_flowpolicy.protocol import (
     VALIDATION_SEED,
     evaluate_expert,
     format_protocol,
-    grouped_training_seed,
     protocol_summary,
     split_seed,
     training_seed,
@@ -63,32 +62,26 @@ def test_splits_are_the_documented_disjoint_ranges():
 
 def test_training_and_demonstration_seeds_stay_outside_every_split():
     evaluation = range(CURVE_SEED, HELD_OUT_SEED + SPLIT_SIZE)
-    for seed, iteration, num_envs in [(0, 0, 16), (9_984, 0, 16), (0, 1, 16), (5, 400, 64)]:
+    for seed, iteration, num_envs in [(0, 1, 16), (9_984, 1, 16), (0, 2, 16), (5, 400, 64)]:
         first = training_seed(seed, iteration, num_envs)
         assert not set(range(first, first + num_envs)) & set(evaluation)
-    assert training_seed(3, 0, 16) == 3  # a fresh run: unchanged (the learning curves too)
+    assert training_seed(3, 1, 16) == 3  # a run's first batch: seed + i, as before
+    # One block of num_envs seeds per (run seed, iteration): no two batches share a state.
+    blocks = [
+        range(training_seed(seed, iteration, 16), training_seed(seed, iteration, 16) + 16)
+        for seed in (0, 1, 2, 9_984)
+        for iteration in range(2, 40)
+    ]
+    assert len(set().union(*blocks)) == 16 * len(blocks)
+    assert min(block[0] for block in blocks) >= HELD_OUT_SEED + SPLIT_SIZE
     with pytest.raises(ValueError, match="evaluation seed"):
-        training_seed(9_990, 0, 16)
+        training_seed(9_990, 1, 16)
+    with pytest.raises(ValueError, match="from 1"):
+        training_seed(0, 0, 16)
     # Demonstrations reset episode i with demo_seed * 1_000_003 + i.
     for demo_seed, expected in [(0, [0, 1]), (1, [1_000_003, 1_000_004])]:
         demos = collect_demos(2, 0.0, demo_seed, max_episode_steps=1)
         assert demos["episode_seed"].tolist() == expected
-
-
-def test_grouped_batches_reset_disjoint_seeds_outside_every_split():
-    evaluation = set(range(CURVE_SEED, HELD_OUT_SEED + SPLIT_SIZE))
-    for seed, num_groups in [(0, 4), (9_000, 1000), (17, 3)]:
-        seen: set[int] = set()
-        for iteration in range(50):
-            first = grouped_training_seed(seed, iteration, num_groups)
-            groups = set(range(first, first + num_groups))
-            assert not groups & evaluation and not groups & seen
-            seen |= groups
-    assert grouped_training_seed(5, 0, 4) == 5 and grouped_training_seed(5, 7, 4) == 47_005
-    with pytest.raises(ValueError, match="1 to 1000 groups"):
-        grouped_training_seed(0, 1, 1001)
-    with pytest.raises(ValueError, match="evaluation seed"):
-        grouped_training_seed(9_998, 0, 4)
 
 
 def test_only_the_protocol_helper_uses_the_held_out_split():

@@ -91,6 +91,7 @@ def test_ray_workers_sample_with_the_learner_weights_once_sent(local_ray, ppo):
     try:
         assert isinstance(collector, ppo.RayCollector)
         batches = iter(collector)
+        ppo.seed_batch(collector, config, 7)  # each actor's env.set_seed, with its offset
         first = next(batches)
         # The workers' batches, concatenated along the environments, carry the chain.
         assert first.batch_size == (NUM_ENVS, DECISIONS)
@@ -104,7 +105,7 @@ def test_ray_workers_sample_with_the_learner_weights_once_sent(local_ray, ppo):
         assert first["flow", "sde_mask"][..., 1:].all()  # sde_mode="all": steps 1 .. K-1
         assert first["action"].shape == (NUM_ENVS, DECISIONS, EXECUTED, ACTION_DIM)
         # Worker w's environments follow those of the workers before it: the initial states
-        # of one process with NUM_ENVS environments seeded with 7.
+        # of one process with NUM_ENVS environments seeded with 7 (the batch's resets).
         reference = ppo.seeded_env(config, NUM_ENVS, EXECUTED, seed=7)
         torch.testing.assert_close(first["observation"][:, 0], reference.reset()["observation"])
         reference.close()

@@ -34,6 +34,7 @@ from torchrl.weight_update import MultiProcessWeightSyncScheme
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.envs import make_pusher_env
 from torchrl_flowpolicy.networks import MLPVelocityNetwork, ObservationNormalizer
+from torchrl_flowpolicy.protocol import training_seed
 
 CHUNK_LENGTH, ACTION_DIM, EXECUTED = 4, 7, 2
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -220,6 +221,47 @@ def test_ppo_worker_processes_follow_the_learner_weights_the_example_sends(ppo):
     finally:
         collector.shutdown()
     assert max(drifts) < 1e-4, drifts
+
+
+def seeded_initial_observations(ppo, config, seed: int) -> torch.Tensor:
+    """The first observations of one process's ``num_envs`` environments reset with
+    ``seed + i``."""
+    env = ppo.seeded_env(config, config.num_envs, EXECUTED, seed)
+    try:
+        return env.reset()["observation"]
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_ppo_batches_start_from_the_states_that_their_iteration_seeds(ppo, workers):
+    # examples/ppo.py: every batch starts from fresh resets of all environments, seeded by
+    # seed_batch with the iteration's training_seed (over all workers' environments), so
+    # that a collector built for a resumed run starts where the uninterrupted one does.
+    torch.set_num_threads(1)
+    config = ppo.PPOConfig(num_envs=4, collector_workers=workers, max_episode_steps=6, threads=1)
+    policy = example_policy()
+    first_observations = {}
+    # A run from the start, and one resumed after iteration 2 (worker processes: only that).
+    for first_iteration in (1, 3) if workers == 1 else (3,):
+        seed = ppo.first_reset_seed(config, first_iteration)
+        collector = ppo.make_collector(policy, config, EXECUTED, 12, seed=seed, device="cpu")
+        try:
+            batches = iter(collector)
+            for iteration in range(first_iteration, 5):
+                ppo.seed_batch(collector, config, ppo.first_reset_seed(config, iteration))
+                batch = next(batches)
+                assert batch.batch_size == (4, 3)  # one 6-step episode of 2-step chunks
+                observations = batch["observation"][:, 0]
+                first_observations.setdefault(iteration, observations)
+                torch.testing.assert_close(observations, first_observations[iteration])
+        finally:
+            collector.shutdown()
+    for iteration, observations in first_observations.items():
+        seed = training_seed(config.seed, iteration, config.num_envs)
+        expected = seeded_initial_observations(ppo, config, seed)
+        torch.testing.assert_close(observations, expected, rtol=0, atol=0)
+    assert not torch.equal(first_observations[3], first_observations[4])
 
 
 @pytest.mark.parametrize("script", ["ppo", "dsrl"])

@@ -17,12 +17,17 @@ Nothing else resets an environment with a seed in ``[10_000, 40_000)``:
 - Demonstrations (:func:`~torchrl_flowpolicy.envs.collect_demos`) reset episode ``i`` with
   ``demo_seed * 1_000_003 + i``: ``0 ... n - 1`` for ``demo_seed = 0`` (below 10_000 for
   ``n <= 10_000`` episodes), at least 1_000_003 for ``demo_seed >= 1``.
-- Training environments reset once with :func:`training_seed` (sub-environment ``i``:
-  ``seed + i < 10_000`` for a fresh run, at least 40_000 for a resumed one); their later
-  resets continue each sub-environment's own random stream and take no seed.
-- Grouped training (group-relative advantages) resets every group of every batch with a
-  seed: group ``g`` of batch ``k`` with :func:`grouped_training_seed` ``+ g`` (below 10_000
-  for the first batch of a run, at least 41_000 for the next ones).
+- Training environments: every PPO batch starts from fresh resets seeded with
+  :func:`training_seed`, a pure function of the run seed, the iteration and the
+  sub-environment (sub-environment ``i`` of iteration ``n``'s batch: ``seed + i < 10_000``
+  for the first batch, at least 40_000 for the later ones), so that a resumed run starts
+  each batch from the states of the uninterrupted run. The resets within a batch (after an
+  episode that ends early) continue each sub-environment's own random stream and take no
+  seed. DSRL's collector seeds its environments once, at its start, the same way.
+- Grouped training (``--advantage grpo``: group-relative advantages) seeds groups instead
+  of sub-environments: group ``g`` of iteration ``n``'s batch resets with
+  :func:`training_seed` ``(seed, n, num_groups) + g``, every sub-environment of the group
+  with that seed.
 
 **Protocol.** On the held-out split, :func:`protocol_summary` puts the pretrained (BC)
 policy's two decodings, the fine-tuned (RL) policy's two decodings
@@ -50,8 +55,6 @@ __all__ = [
     "SPLIT_SEEDS",
     "split_seed",
     "training_seed",
-    "grouped_training_seed",
-    "MAX_GROUPS",
     "evaluate_expert",
     "protocol_summary",
     "format_protocol",
@@ -89,56 +92,39 @@ def split_seed(split: Split, num_episodes: int) -> int:
 
 
 def training_seed(seed: int, iteration: int, num_envs: int) -> int:
-    """The reset seed of a run's training environments when its collector starts.
+    """The first reset seed of the training batch of PPO iteration ``iteration`` (1, 2, ...).
 
-    A fresh run (``iteration = 0``) uses ``seed``; a run resumed at ``iteration`` uses
-    ``40_000 + seed + 1000 * iteration``, above every evaluation split.
+    Sub-environment ``i`` of that batch resets with ``training_seed(...) + i``. The first
+    batch uses ``seed``, below every evaluation split; iteration ``n >= 2`` uses
+    ``40_000 + ((n - 2) * 10_000 + seed) * num_envs``, above them: one block of ``num_envs``
+    seeds per (run seed, iteration), so that no two batches of a run, nor two runs of
+    different seeds after their first batch, start from the same states.
+
+    Args:
+        seed: the run's seed, in ``[0, 10_000 - num_envs]``.
+        iteration: the PPO iteration whose batch starts (1 for a run's first batch).
+        num_envs: the training environments of the batch (of all processes together).
 
     Raises:
-        ValueError: when ``seed, ..., seed + num_envs - 1`` would reach the evaluation seeds.
+        ValueError: when ``seed, ..., seed + num_envs - 1`` would reach the evaluation seeds,
+            or ``iteration < 1``.
 
     Examples:
-        >>> training_seed(0, 0, 16), training_seed(0, 3, 16)
-        (0, 43000)
+        >>> training_seed(0, 1, 16), training_seed(0, 2, 16), training_seed(3, 2, 16)
+        (0, 40000, 40048)
+        >>> training_seed(0, 3, 16)
+        200000
     """
     if not 0 <= seed <= CURVE_SEED - num_envs:
         raise ValueError(
             f"run seeds must lie in [0, {CURVE_SEED - num_envs}] so that the training "
             f"environments never reset with an evaluation seed; got {seed}."
         )
-    if iteration == 0:
+    if iteration < 1:
+        raise ValueError(f"iteration counts PPO iterations from 1, got {iteration}.")
+    if iteration == 1:
         return seed
-    return HELD_OUT_SEED + SPLIT_SIZE + seed + 1000 * iteration
-
-
-MAX_GROUPS = 1000
-"""The most groups a grouped batch may reset: batches ``k`` and ``k + 1`` of a run are 1000
-seeds apart (:func:`training_seed`)."""
-
-
-def grouped_training_seed(seed: int, iteration: int, num_groups: int) -> int:
-    """The reset seed of group 0 in batch ``iteration`` of a grouped run; group ``g`` resets
-    with this ``+ g`` (e.g. ``BatchedGymEnv(group_size=G).set_seed`` with it).
-
-    It is :func:`training_seed` ``(seed, iteration, num_groups)``: ``seed`` for the first
-    batch (``iteration = 0``), ``40_000 + seed + 1000 * iteration`` after, so that the batches
-    of a run never share an initial state with each other or with an evaluation split, and a
-    resumed run continues the sequence of an uninterrupted one.
-
-    Raises:
-        ValueError: more than :data:`MAX_GROUPS` groups, or a ``seed`` whose groups would reach
-            the evaluation seeds.
-
-    Examples:
-        >>> [grouped_training_seed(0, iteration, 4) for iteration in range(3)]
-        [0, 41000, 42000]
-    """
-    if not 1 <= num_groups <= MAX_GROUPS:
-        raise ValueError(
-            f"a grouped batch resets 1 to {MAX_GROUPS} groups (consecutive batches are "
-            f"{MAX_GROUPS} seeds apart), got {num_groups}."
-        )
-    return training_seed(seed, iteration, num_groups)
+    return HELD_OUT_SEED + SPLIT_SIZE + ((iteration - 2) * CURVE_SEED + seed) * num_envs
 
 
 def evaluate_expert(
