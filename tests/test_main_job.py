@@ -175,16 +175,7 @@ def test_a_run_killed_at_a_random_moment_and_resumed_logs_the_uninterrupted_numb
 def test_quick_run_with_two_collector_processes(tmp_path, check_protocol_fields):
     # TorchRL's MultiSyncCollector: 2 workers x 2 envs, the weights synced after every update;
     # the batches and the env-step count are those of one process with 4 envs.
-    environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
-    result = subprocess.run(
-        command(tmp_path, "--collector_workers", "2"),
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run(command(tmp_path, "--collector_workers", "2"))
     summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
     assert summary["config"]["collector_workers"] == 2
     assert summary["env_steps"] == summary["config"]["total_env_steps"]
@@ -196,18 +187,11 @@ def test_quick_lift_chain(tmp_path, check_protocol_fields):
     # robosuite Lift through the same script: demonstrations, pretraining, PPO, evaluation
     # in rounds of at most max_eval_envs simulators, the held-out protocol with the expert.
     pytest.importorskip("robosuite")
-    environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
-    result = subprocess.run(
+    result = run(
         command(
             tmp_path, "--task", "lift", "--pretrain.demo_episodes", "3", "--minibatch_size", "30"
-        ),
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        )
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
     assert summary["config"]["task"] == "lift"
     assert summary["config"]["max_episode_steps"] == 60
@@ -222,29 +206,12 @@ def test_quick_lift_chain(tmp_path, check_protocol_fields):
 def test_quick_grpo_run_without_a_critic_then_resumed(tmp_path, check_protocol_fields):
     # --advantage grpo: 2 groups of 2 environments, no critic; two iterations, then one more
     # after --resume (the checkpoint holds no critic).
-    environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
     grpo = ("--advantage", "grpo", "--eval_every", "1")
-    first = subprocess.run(
-        command(tmp_path, *grpo, "--total_env_steps", "1200"),
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run(command(tmp_path, *grpo, "--total_env_steps", "1200"))
     state = load_checkpoint(tmp_path / "ppo" / "checkpoint.pt")
     assert state["advantage"] == "grpo" and "critic" not in state and state["iteration"] == 2
 
-    resumed = subprocess.run(
-        command(tmp_path, *grpo, "--total_env_steps", "1800", "--resume"),
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = run(command(tmp_path, *grpo, "--total_env_steps", "1800", "--resume"))
     assert "resumed from iteration 2" in resumed.stdout
     summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
     assert (summary["config"]["advantage"], summary["config"]["group_size"]) == ("grpo", 2)
@@ -265,17 +232,8 @@ def test_quick_grpo_run_without_a_critic_then_resumed(tmp_path, check_protocol_f
 def test_quick_run_with_learned_noise_saves_and_resumes_the_head(tmp_path, check_protocol_fields):
     # --noise learned: a fresh noise head on the pretrained policy, trained (with an entropy
     # bonus), saved in the run checkpoint; a --resume continues with it.
-    environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
     learned = ["--noise", "learned", "--entropy_coeff", "0.01"]
-    first = subprocess.run(
-        command(tmp_path, *learned, "--total_env_steps", "1200"),
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run(command(tmp_path, *learned, "--total_env_steps", "1200"))
     checkpoint = tmp_path / "ppo" / "checkpoint.pt"
     saved = load_checkpoint(checkpoint)
     assert saved["noise"] == {"kind": "learned", "min_std": 0.02, "max_std": 0.3}
@@ -284,15 +242,7 @@ def test_quick_run_with_learned_noise_saves_and_resumes_the_head(tmp_path, check
     # The output layer starts at zero: the actor update (iteration 2) has moved it.
     assert head["noise_head.mlp.4.weight"].abs().sum() > 0
 
-    resumed = subprocess.run(
-        command(tmp_path, *learned, "--resume"),
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = run(command(tmp_path, *learned, "--resume"))
     assert "resumed from iteration 2" in resumed.stdout
     summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
     assert summary["config"]["noise"] == "learned" and summary["iterations"] == 4
