@@ -10,6 +10,15 @@ Each curve is the deterministic evaluation success against environment steps (an
 unless the run evaluated its own starting point (DSRL does); each run's BC level is a
 dashed line, and its noise-free BC level (``x_0 = 0``, written by ``examples/dsrl.py``) a
 dotted one.
+
+Runs given the same label are one method over several seeds: their curve is the mean over
+the runs at each evaluation point (the runs must share their evaluation steps), with the
+lowest and highest run as a band, against the mean wall time at that point; the table then
+lists each run's final success after the mean::
+
+    python examples/compare_runs.py --output docs/results/methods.png --wall_time \
+        --runs "GAE=outputs/gae_s0/summary.json" "GAE=outputs/gae_s1/summary.json" \
+               "GRPO=outputs/grpo_s0/summary.json" "GRPO=outputs/grpo_s1/summary.json"
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
+import torch
+
+from torchrl_flowpolicy.statistics import paired_bootstrap_interval
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -34,6 +46,14 @@ class CompareConfig:
     output: str = option(help="the PNG to write")
     title: str = option("Pusher-v5: deterministic evaluation (ODE, K = 20)", "the figure's title")
     wall_time: bool = option(False, "also plot success against wall-clock minutes")
+    held_out: bool = option(
+        False, "also tabulate each run's held-out protocol (examples/ppo.py writes it)"
+    )
+    baseline: str = option(
+        "",
+        "with --held_out: the label whose runs the others are compared with, paired episode by "
+        "episode (same seed, same held-out states) in the reported decoding",
+    )
 
 
 def load(specification: str) -> tuple[str, dict]:
@@ -44,33 +64,118 @@ def load(specification: str) -> tuple[str, dict]:
     return label, json.loads(Path(path).read_text())
 
 
+def curve(summary: dict) -> tuple[list[float], list[float], list[float]]:
+    """A run's evaluation curve: env steps, success (%) and wall minutes, from its BC level
+    at step 0 unless the run evaluated its own start."""
+    history = summary["history"]
+    steps = [row["env_steps"] for row in history]
+    success = [100 * row["success_rate"] for row in history]
+    minutes = [row.get("wall_seconds", float("nan")) / 60 for row in history]
+    if not steps or steps[0] != 0:
+        steps, success = [0, *steps], [100 * summary["bc_success"], *success]
+        minutes = [0.0, *minutes]
+    return steps, success, minutes
+
+
+def group(runs: list[tuple[str, dict]]) -> dict[str, list[dict]]:
+    """The runs by label, in the order each label first appears."""
+    groups: dict[str, list[dict]] = {}
+    for label, summary in runs:
+        groups.setdefault(label, []).append(summary)
+    return groups
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def percent(rate: dict) -> str:
+    return f"{100 * rate['rate']:.1f} %"
+
+
+def held_out_table(groups: dict[str, list[dict]], baseline: str) -> None:
+    """Each run's held-out protocol, and with ``baseline`` its paired difference in the
+    reported decoding from the baseline's run of the same seed, per seed and pooled over
+    the seeds (the episodes of all seeds, each still paired with its own)."""
+    if baseline and baseline not in groups:
+        raise ValueError(f"--baseline {baseline!r} is not a label of --runs: {list(groups)}.")
+    reference = {summary["seed"]: summary for summary in groups.get(baseline, [])}
+    print()
+    header = "| run | seed | RL sampled | RL noise-free | BC best | expert |"
+    print(header + (f" reported − {baseline} |" if baseline else ""))
+    print("| --- " * (6 + bool(baseline)) + "|")
+    for label, summaries in groups.items():
+        pooled_first, pooled_second = [], []
+        for summary in summaries:
+            protocol = summary["held_out"]
+            success, decoding = protocol["success"], protocol["reported_decoding"]
+            bc_best = success["bc"][protocol["bc_best_decoding"]]
+            row = (
+                f"| {label} | {summary['seed']} | {percent(success['rl']['sampled'])} | "
+                f"{percent(success['rl']['noise_free'])} | {percent(bc_best)} | "
+                f"{percent(success['expert'])} |"
+            )
+            if baseline and label != baseline:
+                other = reference.get(summary["seed"])
+                if other is None:
+                    raise ValueError(f"{baseline!r} has no run of seed {summary['seed']}.")
+                if other["held_out"]["seed"] != protocol["seed"]:
+                    raise ValueError("the runs were not evaluated on the same held-out states.")
+                first = torch.tensor(protocol["episode_success"]["rl"][decoding])
+                second = torch.tensor(other["held_out"]["episode_success"]["rl"][decoding])
+                pooled_first.append(first)
+                pooled_second.append(second)
+                row += difference(first, second)
+            elif baseline:
+                row += " |"
+            print(row)
+        if len(pooled_first) > 1:
+            pooled = difference(torch.cat(pooled_first), torch.cat(pooled_second))
+            print(f"| {label} | pooled | | | | |{pooled}")
+
+
+def difference(first: torch.Tensor, second: torch.Tensor) -> str:
+    """`` +d [low, high] |``: the paired difference in points and its 95 % interval."""
+    value, low, high = paired_bootstrap_interval(first, second)
+    return f" {100 * value:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] |"
+
+
 def main(config: CompareConfig) -> None:
-    runs = [load(specification) for specification in config.runs]
+    groups = group([load(specification) for specification in config.runs])
     columns = 2 if config.wall_time else 1
     figure, axes = plt.subplots(1, columns, figsize=(6 * columns, 4), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     print("| run | BC success | final success | env steps | wall time (min) |")
     print("| --- | --- | --- | --- | --- |")
-    for index, (label, summary) in enumerate(runs):
+    for index, (label, summaries) in enumerate(groups.items()):
         color = colors[index % len(colors)]
-        history = summary["history"]
-        steps = [row["env_steps"] for row in history]
-        success = [100 * row["success_rate"] for row in history]
-        minutes = [row.get("wall_seconds", float("nan")) / 60 for row in history]
-        if not steps or steps[0] != 0:
-            steps, success = [0, *steps], [100 * summary["bc_success"], *success]
-            minutes = [0.0, *minutes]
-        axes[0][0].plot(steps, success, "o-", color=color, label=label, markersize=3)
-        axes[0][0].axhline(100 * summary["bc_success"], color=color, linestyle="--", alpha=0.5)
-        if "bc_noise_free_success" in summary:
-            noise_free = 100 * summary["bc_noise_free_success"]
+        curves = [curve(summary) for summary in summaries]
+        steps = curves[0][0]
+        if any(other[0] != steps for other in curves[1:]):
+            raise ValueError(
+                f"the runs labelled {label!r} evaluated at different env steps; "
+                "give them different labels."
+            )
+        success = [list(point) for point in zip(*(c[1] for c in curves), strict=True)]
+        minutes = [mean(list(point)) for point in zip(*(c[2] for c in curves), strict=True)]
+        middle = [mean(point) for point in success]
+        name = label if len(summaries) == 1 else f"{label} (mean of {len(summaries)})"
+        for axis, x in zip(axes[0], (steps, minutes), strict=False):
+            axis.plot(x, middle, "o-", color=color, label=name, markersize=3)
+            if len(summaries) > 1:
+                low, high = [min(p) for p in success], [max(p) for p in success]
+                axis.fill_between(x, low, high, color=color, alpha=0.15, linewidth=0)
+        bc = mean([100 * summary["bc_success"] for summary in summaries])
+        axes[0][0].axhline(bc, color=color, linestyle="--", alpha=0.5)
+        if all("bc_noise_free_success" in summary for summary in summaries):
+            noise_free = mean([100 * s["bc_noise_free_success"] for s in summaries])
             axes[0][0].axhline(noise_free, color=color, linestyle=":", alpha=0.6)
-        if config.wall_time:
-            axes[0][1].plot(minutes, success, "o-", color=color, label=label, markersize=3)
+        final = [100 * summary["rl_success"] for summary in summaries]
+        each = "" if len(final) == 1 else " (" + " / ".join(f"{v:.0f}" for v in final) + ")"
+        wall = mean([summary["wall_seconds"] / 60 for summary in summaries])
         print(
-            f"| {label} | {100 * summary['bc_success']:.0f} % | "
-            f"{100 * summary['rl_success']:.0f} % | {summary['env_steps']:,} | "
-            f"{summary['wall_seconds'] / 60:.1f} |"
+            f"| {label} | {bc:.0f} % | {mean(final):.0f} %{each} | "
+            f"{summaries[0]['env_steps']:,} | {wall:.1f} |"
         )
     axes[0][0].set(xlabel="environment steps", ylabel="success (%)", ylim=(-2, 102))
     if config.wall_time:
@@ -83,6 +188,8 @@ def main(config: CompareConfig) -> None:
     Path(config.output).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(config.output, dpi=120)
     print(f"wrote {config.output}")
+    if config.held_out:
+        held_out_table(groups, config.baseline)
 
 
 if __name__ == "__main__":

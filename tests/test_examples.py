@@ -168,6 +168,83 @@ def test_compare_runs_table_and_plot(tmp_path):
     assert "| DSRL | 25 % | 50 % | 1,000 | 2.0 |" in result.stdout
 
 
+def _method_summary(seed: int, curve: float, final: float, episodes: list[int]) -> dict:
+    """A ``summary.json`` of ``examples/ppo.py`` with a held-out protocol on 20 episodes."""
+    rate = {"rate": sum(episodes) / len(episodes), "low": 0.0, "high": 1.0}
+    return {
+        "seed": seed,
+        "bc_success": 0.25,
+        "rl_success": final,
+        "env_steps": 2000,
+        "wall_seconds": 60.0 * (seed + 1),
+        "history": [
+            {"env_steps": step, "success_rate": curve, "wall_seconds": 30.0 * (seed + 1) * i}
+            for i, step in enumerate((1000, 2000), start=1)
+        ],
+        "held_out": {
+            "seed": 30000,
+            "reported_decoding": "noise_free",
+            "bc_best_decoding": "noise_free",
+            "success": {
+                "bc": {"sampled": rate, "noise_free": rate},
+                "rl": {"sampled": rate, "noise_free": rate},
+                "expert": {"rate": 1.0, "low": 0.9, "high": 1.0},
+            },
+            "episode_success": {"rl": {"sampled": episodes, "noise_free": episodes}},
+        },
+    }
+
+
+def test_compare_runs_averages_a_label_over_seeds_and_pairs_held_out_episodes(tmp_path):
+    runs = {
+        "A0": _method_summary(0, 0.4, 0.4, [1, 0, 0, 0] * 5),
+        "A1": _method_summary(1, 0.6, 0.6, [1, 1, 0, 0] * 5),
+        "B0": _method_summary(0, 0.5, 0.5, [1, 1, 0, 0] * 5),
+        "B1": _method_summary(1, 0.5, 0.5, [1, 1, 0, 0] * 5),
+    }
+    for name, summary in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(summary))
+    specifications = [f"{name[0]}={tmp_path / name}.json" for name in runs]
+    command = [
+        sys.executable, str(ROOT / "examples" / "compare_runs.py"),
+        "--output", str(tmp_path / "methods.png"), "--wall_time", "--held_out",
+        "--baseline", "A", "--runs", *specifications,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "methods.png").stat().st_size > 0
+    # One row per label: the mean final success, then each seed's; the mean wall time.
+    assert "| A | 25 % | 50 % (40 / 60) | 2,000 | 1.5 |" in result.stdout
+    assert "| B | 25 % | 50 % (50 / 50) | 2,000 | 1.5 |" in result.stdout
+    # B against A on the same episodes: seed 0 wins 5 of 20 pairs, seed 1 ties every pair.
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| B | ")]
+    assert rows[1].startswith("| B | 0 | 50.0 % | 50.0 % | 50.0 % | 100.0 % | +25.0 [")
+    assert rows[2].endswith("| +0.0 [+0.0, +0.0] |")
+    assert rows[3].startswith("| B | pooled |") and " +12.5 [" in rows[3]
+    low = float(rows[1].split("[")[1].split(",")[0])
+    assert 0 < low < 25
+
+    # Runs of one label must share their evaluation steps; the baseline must be a label.
+    shifted = _method_summary(1, 0.6, 0.6, [1] * 20)
+    shifted["history"][0]["env_steps"] = 1500
+    (tmp_path / "shifted.json").write_text(json.dumps(shifted))
+    bad = command[: command.index("--runs") + 1] + [
+        f"A={tmp_path / 'A0.json'}",
+        f"A={tmp_path / 'shifted.json'}",
+    ]
+    result = subprocess.run(bad, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode != 0 and "different env steps" in result.stderr
+    missing = [
+        *command[: command.index("--baseline")],
+        "--baseline",
+        "C",
+        "--runs",
+        *specifications,
+    ]
+    result = subprocess.run(missing, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode != 0 and "is not a label of --runs" in result.stderr
+
+
 def test_dsrl_target_entropy_follows_the_box_and_refuses_unreachable_targets():
     sys.path.insert(0, str(ROOT / "examples"))
     try:
