@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import random
 import typing
@@ -441,6 +442,17 @@ def save_policy(path: Path, policy: FlowSDEPolicy, model_config: ModelConfig, **
     save_checkpoint(
         {"model_config": asdict(model_config), "policy": policy.state_dict(), **extra}, path
     )
+
+
+def write_json(path: str | Path, value: Any) -> Path:
+    """``value`` as indented JSON at ``path``, atomically: a run killed while writing leaves the
+    previous file whole (:func:`~torchrl_flowpolicy.checkpoint.atomic_write`)."""
+    return atomic_write(path, lambda file: file.write(json.dumps(value, indent=2).encode()))
+
+
+def save_figure(figure: Any, path: str | Path) -> Path:
+    """A matplotlib figure as a PNG at ``path``, atomically, like :func:`write_json`."""
+    return atomic_write(path, lambda file: figure.savefig(file, format="png", dpi=120))
 
 
 def load_policy(path: Path, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig, dict]:

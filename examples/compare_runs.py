@@ -35,7 +35,7 @@ from torchrl_flowpolicy.statistics import paired_bootstrap_interval
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common import option, parse_config  # noqa: E402
+from common import option, parse_config, save_figure  # noqa: E402
 
 
 @dataclass
@@ -185,8 +185,7 @@ def main(config: CompareConfig) -> None:
         axis.legend(fontsize=8)
     figure.suptitle(config.title)
     figure.tight_layout()
-    Path(config.output).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(config.output, dpi=120)
+    save_figure(figure, config.output)
     print(f"wrote {config.output}")
     if config.held_out:
         held_out_table(groups, config.baseline)

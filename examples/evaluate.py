@@ -44,7 +44,6 @@ Examples::
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -76,6 +75,7 @@ from common import (
     parse_config,
     task_defaults,
     task_options,
+    write_json,
 )
 
 
@@ -261,7 +261,7 @@ def main(config: EvaluateConfig) -> list[dict]:
         "videos": videos,
         "comparisons": comparisons,
     }
-    output.write_text(json.dumps(summary, indent=2))
+    write_json(output, summary)
     return rows
 
 

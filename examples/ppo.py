@@ -126,10 +126,12 @@ from common import (
     resolve_device,
     restore_random_state,
     resume_run,
+    save_figure,
     save_run,
     seed_random_generators,
     task_defaults,
     validate_config,
+    write_json,
 )
 from common import (
     env_steps as count_env_steps,
@@ -884,7 +886,7 @@ def write_summary(
         "config": dataclasses.asdict(config),
         "pretrained": json.loads(pretrained_state.get("summary", "{}")),
     }
-    (Path(config.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(Path(config.output_dir) / "summary.json", summary)
     return summary
 
 
@@ -910,7 +912,7 @@ def plot_curves(
         f"curve episodes (seeds {CURVE_SEED}+), 95 % Wilson bands"
     )
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
     plt.close(figure)
 
 

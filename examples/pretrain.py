@@ -41,6 +41,7 @@ from common import (
     task_defaults,
     task_options,
     validate_config,
+    write_json,
 )
 
 
@@ -237,7 +238,7 @@ def main(config: PretrainConfig) -> dict:
     }
     checkpoint = output_dir / config.checkpoint_name
     save_policy(checkpoint, policy, config.model, summary=json.dumps(summary))
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(output_dir / "summary.json", summary)
     print(f"saved {checkpoint} ({summary['total_seconds']:.0f} s)")
     return summary
 

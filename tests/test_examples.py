@@ -491,3 +491,21 @@ def test_a_resumed_runs_csv_files_lose_the_rows_logged_after_its_checkpoint(
         "1800,3.0",
     ]
     assert not list(scalars.rglob(".*.tmp"))
+
+
+def test_summaries_and_plots_are_written_atomically(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import matplotlib.pyplot as plt
+
+    from common import save_figure, write_json
+
+    path = tmp_path / "summary.json"
+    write_json(path, {"success": 0.5})
+    with pytest.raises(TypeError):  # fails half-way through the serialisation
+        write_json(path, {"success": 0.75, "policy": object()})
+    assert json.loads(path.read_text()) == {"success": 0.5}
+    figure = plt.figure()
+    png = save_figure(figure, tmp_path / "plots" / "curve.png")
+    plt.close(figure)
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["curve.png", "plots", "summary.json"]
