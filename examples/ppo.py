@@ -137,6 +137,14 @@ from common import (
     env_steps as count_env_steps,
 )
 
+# The options that configure the noise head: refused with --noise fixed, where nothing reads them.
+LEARNED_NOISE_OPTIONS = (
+    "min_noise_std",
+    "max_noise_std",
+    "initial_noise_std",
+    "noise_learning_rate",
+)
+
 
 @dataclass
 class PPOConfig(TaskOptions):
@@ -265,9 +273,25 @@ class PPOConfig(TaskOptions):
     def option_conflicts(self) -> list[str]:
         """Options that contradict each other: checked with the bounds (exit 2 on the command
         line; ``ValueError`` in ``main``)."""
-        if self.advantage != "grpo":
-            return []
         conflicts = []
+        if self.noise == "fixed":
+            defaults = {field.name: field.default for field in dataclasses.fields(self)}
+            changed = [
+                name for name in LEARNED_NOISE_OPTIONS if getattr(self, name) != defaults[name]
+            ]
+            if changed:
+                given = " ".join(f"--{name} {getattr(self, name)}" for name in changed)
+                conflicts.append(
+                    f"{given}: only with --noise learned (the fixed Flow-SDE schedule's std is "
+                    f"set by --noise_level and the grid)"
+                )
+            if self.entropy_coeff > 0:
+                conflicts.append(
+                    f"--entropy_coeff {self.entropy_coeff}: needs --noise learned (the fixed "
+                    f"schedule's entropy does not depend on the parameters: no gradient)"
+                )
+        if self.advantage != "grpo":
+            return conflicts
         if self.num_envs % self.group_size:
             conflicts.append(
                 f"--num_envs {self.num_envs}: must be a multiple of --group_size "

@@ -102,6 +102,30 @@ def test_grpo_options_are_checked_in_grpo_mode_only(examples_on_path):
     assert lift.num_envs % lift.group_size == 0
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--min_noise_std", "0.01"], "--min_noise_std 0.01: only with --noise learned"),
+        (
+            ["--initial_noise_std", "0.1", "--noise_learning_rate", "1e-3"],
+            "--initial_noise_std 0.1 --noise_learning_rate 0.001: only with --noise learned",
+        ),
+        (["--entropy_coeff", "0.01"], "--entropy_coeff 0.01: needs --noise learned"),
+    ],
+)
+def test_noise_head_options_without_a_noise_head_exit_with_an_error_naming_them(
+    argv, named, examples_on_path, capsys
+):
+    import ppo
+
+    with pytest.raises(SystemExit) as exit_:
+        ppo.parse_args(argv)
+    assert exit_.value.code == 2
+    assert named in capsys.readouterr().err
+    learned = ppo.parse_args(["--noise", "learned", *argv])  # the same options, with a head
+    assert learned.noise == "learned"
+
+
 def test_main_refuses_contradicting_grpo_options_built_in_code(
     examples_on_path, monkeypatch, tmp_path
 ):
