@@ -571,12 +571,16 @@ def _mismatches(saved: Any, expected: Any, name: str) -> list[str]:
     return [] if saved == expected else [f"{name}: saved {saved!r}, this run {expected!r}"]
 
 
-def load_run(path: Path, expected: Mapping[str, Any]) -> dict[str, Any]:
+def load_run(
+    path: Path, expected: Mapping[str, Any], implied: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Load a :func:`save_run` checkpoint for ``--resume``, refusing that of another run.
 
     ``expected`` maps checkpoint entries (``"task"``, ``"model_config"``: a dict compared
-    field by field) to this run's values; an entry the checkpoint does not hold (one saved
-    before it was recorded) is not compared.
+    field by field) to this run's values. An entry the checkpoint does not hold (one saved
+    before it was recorded) is compared with its value in ``implied`` (what every run of
+    that time had, e.g. the fixed noise before the learned one existed), and not compared
+    when ``implied`` has none.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path`` (:func:`require_run_checkpoint`).
@@ -586,11 +590,12 @@ def load_run(path: Path, expected: Mapping[str, Any]) -> dict[str, Any]:
     """
     require_run_checkpoint(path)
     state = load_checkpoint(path)
+    implied = implied or {}
     differences = [
         line
         for key, value in expected.items()
-        if key in state
-        for line in _mismatches(state[key], value, key)
+        if key in state or key in implied
+        for line in _mismatches(state.get(key, implied.get(key)), value, key)
     ]
     if differences:
         raise ValueError(

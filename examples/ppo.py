@@ -854,6 +854,11 @@ def noise_identity(config: PPOConfig) -> dict[str, Any]:
     return {"kind": "learned", "min_std": config.min_noise_std, "max_std": config.max_noise_std}
 
 
+# What a run checkpoint saved before an entry of run_identity was recorded implies: every run
+# had a critic before GRPO and the fixed Flow-SDE noise before the noise head.
+IMPLIED_IDENTITY = {"advantage": "gae", "noise": {"kind": "fixed"}}
+
+
 def run_identity(config: PPOConfig, model_config: ModelConfig) -> dict[str, Any]:
     """What a resumed checkpoint must share with this run: the task, the architecture
     (chunking included) of the pretrained policy, the advantage (a critic or none) and the
@@ -959,7 +964,11 @@ def main(config: PPOConfig) -> dict:
     policy.to(device)
     # --resume: the run checkpoint, refused now if corrupt or of another task or architecture.
     run_checkpoint = output_dir / "checkpoint.pt"
-    saved = load_run(run_checkpoint, run_identity(config, model_config)) if config.resume else None
+    saved = (
+        load_run(run_checkpoint, run_identity(config, model_config), IMPLIED_IDENTITY)
+        if config.resume
+        else None
+    )
     bc_policy = copy.deepcopy(policy)  # the pretrained policy, for the held-out protocol
     if config.noise == "learned":  # the pretrained policy has none: a fresh head for RL
         policy.noise_head = build_noise_head(

@@ -347,6 +347,33 @@ def test_ppo_resume_with_another_exploration_noise_names_it(
     assert named in str(error.value)
 
 
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (["--noise", "learned"], "noise.kind: saved 'fixed', this run 'learned'"),
+        (["--advantage", "grpo"], "advantage: saved 'gae', this run 'grpo'"),
+    ],
+)
+def test_ppo_resume_of_a_checkpoint_older_than_grpo_and_the_noise_head_names_what_differs(
+    options, named, examples_on_path, monkeypatch, tmp_path
+):
+    # Saved before "advantage" and "noise" were recorded: it had a critic and the fixed noise.
+    from common import save_run
+
+    module, config = run_config("ppo", tmp_path, *options)
+    model_config = save_tiny_pretrained(tmp_path / "bc.pt")
+    path = tmp_path / "run" / "checkpoint.pt"
+    path.parent.mkdir(parents=True)
+    save_run(path, {}, iteration=1, task="pusher", model_config=dataclasses.asdict(model_config))
+    monkeypatch.setattr(module, "make_eval_env", stop)
+    with pytest.raises(ValueError, match="saved by another run") as error:
+        module.main(config)
+    assert named in str(error.value)
+    _, defaults = run_config("ppo", tmp_path)  # a GAE run with the fixed noise resumes it
+    identity = module.run_identity(defaults, model_config)
+    assert module.load_run(path, identity, module.IMPLIED_IDENTITY)["iteration"] == 1
+
+
 def test_dsrl_resume_with_other_sac_network_sizes_names_them(
     examples_on_path, monkeypatch, tmp_path
 ):
