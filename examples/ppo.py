@@ -823,12 +823,14 @@ def save_ppo_run(
     history: list[dict],
     task: str,
     advantage: str = "gae",
+    wall_seconds: float = 0.0,
 ) -> None:
     """The run checkpoint ``--resume`` reads (``examples/evaluate.py`` reads its policy);
     ``task``, ``model_config``, ``advantage`` and the policy's ``noise``
     (:func:`noise_identity`) are what :func:`run_identity` compares on resume; ``noise`` also
     tells ``common.load_policy`` to rebuild the noise head. With ``--advantage grpo`` it holds
-    no critic."""
+    no critic. ``wall_seconds``, the run's wall time so far, is where a resumed run's clock
+    (its curve's ``wall_seconds`` and the summary's) goes on from."""
     head = learner.policy.noise_head
     noise = {"kind": "fixed"}
     if head is not None:
@@ -843,6 +845,7 @@ def save_ppo_run(
         task=task,
         advantage=advantage,
         noise=noise,
+        wall_seconds=wall_seconds,
     )
 
 
@@ -989,6 +992,9 @@ def main(config: PPOConfig) -> dict:
         saved = resume_run(saved, learner.trained())
         iteration, env_steps = saved["iteration"], saved["env_steps"]
         history = json.loads(saved["history"])
+        # The wall clock goes on from the checkpoint's (older checkpoints: the last curve row).
+        elapsed = saved.get("wall_seconds", history[-1]["wall_seconds"] if history else 0.0)
+        start = time.perf_counter() - elapsed
         print(f"resumed from iteration {iteration} ({env_steps} env steps)")
     broadcast_parameters(learner.policy)  # every rank starts from rank 0's weights
     if learner.critic is not None:
@@ -1060,6 +1066,7 @@ def main(config: PPOConfig) -> dict:
                 history,
                 config.task,
                 config.advantage,
+                time.perf_counter() - start,
             )
         progress.update(batch_steps)
     progress.close()
@@ -1082,6 +1089,7 @@ def main(config: PPOConfig) -> dict:
         history,
         config.task,
         config.advantage,
+        time.perf_counter() - start,
     )
 
     # Final evaluation (a history row unless the last iteration had one), held-out protocol

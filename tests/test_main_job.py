@@ -135,7 +135,8 @@ def test_a_run_killed_at_a_random_moment_and_resumed_logs_the_uninterrupted_numb
         process.wait()
     assert running, f"the run ended before the kill ({delay:.2f} s after its first checkpoint)"
     assert process.returncode == -signal.SIGKILL
-    saved_iteration = load_checkpoint(checkpoint)["iteration"]
+    killed_at = load_checkpoint(checkpoint)
+    saved_iteration, saved_wall_seconds = killed_at["iteration"], killed_at["wall_seconds"]
     assert 2 <= saved_iteration and not (interrupted / "ppo" / "summary.json").exists()
 
     resumed = run(command(interrupted, *budget, "--resume", **options))
@@ -151,6 +152,11 @@ def test_a_run_killed_at_a_random_moment_and_resumed_logs_the_uninterrupted_numb
         del config["output_dir"], config["resume"], config["pretrain"]["demo_dir"]
     assert without_timings(summary["history"]) == without_timings(expected["history"]), note
     assert without_timings(summary) == without_timings(expected), note
+    # The clock goes on from the checkpoint's: the curve's wall times never go back.
+    # (The last row, the final evaluation, is the resumed process's.)
+    walls = [row["wall_seconds"] for row in summary["history"]]
+    assert walls == sorted(walls) and walls[-1] > saved_wall_seconds, (walls, note)
+    assert summary["wall_seconds"] >= walls[-1], note
     # Every logged training number (losses, diagnostics, training and evaluation metrics).
     logged = logged_scalars(interrupted / "ppo")
     assert logged == logged_scalars(uninterrupted / "ppo"), note
@@ -162,7 +168,7 @@ def test_a_run_killed_at_a_random_moment_and_resumed_logs_the_uninterrupted_numb
     for name, value in reference.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(final[name], value), f"{name} differs {note}"
-        elif name != "history":  # the history holds the timings, compared above
+        elif name not in ("history", "wall_seconds"):  # the timings, compared above
             assert final[name] == value, f"{name} differs {note}"
 
     assert summary["iterations"] == 8 and summary["env_steps"] == 8 * 4 * 150
