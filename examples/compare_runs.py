@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean as mean
 
 import matplotlib
 import torch
@@ -83,10 +84,6 @@ def group(runs: list[tuple[str, dict]]) -> dict[str, list[dict]]:
     for label, summary in runs:
         groups.setdefault(label, []).append(summary)
     return groups
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def percent(rate: dict) -> str:
