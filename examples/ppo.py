@@ -335,11 +335,16 @@ QUICK = {
 RUN_DEFAULTS: dict[str, dict[str, Any]] = {
     "lift": {
         **{f"pretrain.{name}": value for name, value in pretrain.DEMO_DEFAULTS["lift"].items()},
-        # 16 envs x 15 decisions = 240 decisions a batch, two minibatches; the sparse
-        # success reward (1 at success) is used as is.
-        "minibatch_size": 120,
+        # The recipe of docs/robosuite.md (from 25 demonstrations to 93.5-98 % noise-free
+        # on the held-out states in 600k env steps): 48 envs x 15 decisions = 720 decisions
+        # a batch, two minibatches; strong self-imitation and a larger actor step than
+        # Pusher's; the sparse success reward (1 at success) is used as is.
+        "num_envs": 48,
+        "minibatch_size": 360,
+        "bc_coeff": 1.0,
+        "actor_learning_rate": 1e-4,
         "reward_scale": 1.0,
-        "total_env_steps": 250_000,
+        "total_env_steps": 600_000,
         "eval_every": 10,
         "checkpoint_every": 10,
     },

@@ -409,3 +409,38 @@ def test_resuming_a_corrupt_checkpoint_says_it_is_corrupt(
     monkeypatch.setattr(module, "make_eval_env", stop)
     with pytest.raises(ValueError, match=f"checkpoint at {re.escape(str(path))} is corrupt"):
         module.main(config)
+
+
+def test_lift_defaults_are_the_fine_tuning_recipe(examples_on_path):
+    # --task lift runs the recipe of docs/robosuite.md (25 demonstrations, 48 envs, strong
+    # self-imitation, lr 1e-4, 600k env steps) in every script that clones demonstrations;
+    # --quick and the command line still win over it.
+    import dsrl
+
+    import ppo
+    import pretrain
+    from common import parse_config, task_defaults
+
+    config = ppo.parse_args(["--task", "lift"])
+    recipe = (48, 360, 1.0, 1e-4, 600_000, 200, 25, 0.3)
+    assert (
+        config.num_envs,
+        config.minibatch_size,
+        config.bc_coeff,
+        config.actor_learning_rate,
+        config.total_env_steps,
+        config.held_out_episodes,
+        config.pretrain.demo_episodes,
+        config.pretrain.demo_action_noise,
+    ) == recipe
+    assert ppo.parse_args([]).num_envs == 16  # Pusher keeps its own
+    assert dsrl.parse_args(["--task", "lift"]).pretrain.demo_episodes == 25
+    standalone = parse_config(
+        pretrain.PretrainConfig,
+        ["--task", "lift"],
+        task_defaults=task_defaults(pretrain.DEMO_DEFAULTS),
+        exclude=pretrain.EXCLUDE,
+    )
+    assert standalone.demo_episodes == 25
+    quick = ppo.parse_args(["--task", "lift", "--quick", "--bc_coeff", "0.5"])
+    assert (quick.num_envs, quick.bc_coeff, quick.actor_learning_rate) == (4, 0.5, 1e-4)
