@@ -5,7 +5,7 @@ Reads the ``summary.json`` that ``examples/ppo.py`` (and ``examples/dsrl.py``) w
     python examples/compare_runs.py --output docs/results/seeds.png \\
         --runs "seed 0=outputs/ppo_seed0/summary.json" "seed 1=outputs/ppo_seed1/summary.json"
 
-Each curve is the deterministic evaluation success against environment steps (and, with
+Each curve is the evaluation success (the ODE sampler from ``x_0 ~ N(0, I)``) against environment steps (and, with
 ``--wall_time``, against wall-clock minutes), starting from the run's BC level at step 0
 unless the run evaluated its own starting point (DSRL does); each run's BC level is a
 dashed line, and its noise-free BC level (``x_0 = 0``, written by ``examples/dsrl.py``) a
@@ -31,6 +31,7 @@ from statistics import fmean as mean
 import matplotlib
 import torch
 
+from torchrl_flowpolicy.envs.tasks import TASKS
 from torchrl_flowpolicy.statistics import paired_bootstrap_interval
 
 matplotlib.use("Agg")
@@ -45,7 +46,10 @@ class CompareConfig:
 
     runs: list[str] = option(help="the runs, each as LABEL=path/to/summary.json")
     output: str = option(help="the PNG to write")
-    title: str = option("Pusher-v5: deterministic evaluation (ODE, K = 20)", "the figure's title")
+    title: str = option(
+        "",
+        "the figure's title (default: the runs' task and evaluation sampler, from their summaries)",
+    )
     wall_time: bool = option(False, "also plot success against wall-clock minutes")
     held_out: bool = option(
         False, "also tabulate each run's held-out protocol (examples/ppo.py writes it)"
@@ -76,6 +80,16 @@ def curve(summary: dict) -> tuple[list[float], list[float], list[float]]:
         steps, success = [0, *steps], [100 * summary["bc_success"], *success]
         minutes = [0.0, *minutes]
     return steps, success, minutes
+
+
+def default_title(summaries: list[dict]) -> str:
+    """The runs' task and the curve's sampler, e.g. ``"Pusher-v5: evaluation success (ODE,
+    K = 20)"``, from the summaries' configs (Pusher, K = 20 where a summary has none)."""
+    configs = [summary.get("config", {}) for summary in summaries]
+    tasks = sorted({config.get("task", "pusher") for config in configs})
+    steps = sorted({config.get("eval_num_steps", 20) for config in configs})
+    names = " / ".join(TASKS[task].title if task in TASKS else task for task in tasks)
+    return f"{names}: evaluation success (ODE, K = {' / '.join(map(str, steps))})"
 
 
 def group(runs: list[tuple[str, dict]]) -> dict[str, list[dict]]:
@@ -180,7 +194,7 @@ def main(config: CompareConfig) -> None:
     for axis in axes[0]:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    figure.suptitle(config.title)
+    figure.suptitle(config.title or default_title([s for runs in groups.values() for s in runs]))
     figure.tight_layout()
     save_figure(figure, config.output)
     print(f"wrote {config.output}")

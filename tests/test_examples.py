@@ -168,6 +168,18 @@ def test_compare_runs_table_and_plot(tmp_path):
     assert "| DSRL | 25 % | 50 % | 1,000 | 2.0 |" in result.stdout
 
 
+def test_compare_runs_titles_the_figure_with_the_runs_task(examples_on_path):
+    from compare_runs import default_title
+
+    lift = {"config": {"task": "lift", "eval_num_steps": 20}}
+    assert default_title([lift, lift]) == "robosuite Lift (Panda): evaluation success (ODE, K = 20)"
+    assert default_title([{}]) == "Pusher-v5: evaluation success (ODE, K = 20)"  # older summaries
+    mixed = [lift, {"config": {"task": "pusher", "eval_num_steps": 10}}]
+    assert default_title(mixed) == (
+        "robosuite Lift (Panda) / Pusher-v5: evaluation success (ODE, K = 10 / 20)"
+    )
+
+
 def _method_summary(seed: int, curve: float, final: float, episodes: list[int]) -> dict:
     """A ``summary.json`` of ``examples/ppo.py`` with a held-out protocol on 20 episodes."""
     rate = {"rate": sum(episodes) / len(episodes), "low": 0.0, "high": 1.0}
