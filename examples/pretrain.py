@@ -89,7 +89,7 @@ RUN_SETTINGS = (
 )
 
 # The demonstrations --task lift / can clone (with the task's own settings, common.task_defaults).
-# Lift: 25 demonstrations at action noise 0.3 clone to 67.5-72 % noise-free on the held-out
+# Lift: 25 demonstrations at action noise 0.3 clone to 60.5-72 % noise-free on the held-out
 # states, the start PPO's Lift defaults fine-tune (15: about 40 %, 40: 70 % sampled on the
 # learning-curve episodes; docs/robosuite.md).
 DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
