@@ -5,8 +5,9 @@ Reads the ``summary.json`` that ``examples/ppo.py`` (and ``examples/dsrl.py``) w
     python examples/compare_runs.py --output docs/results/seeds.png \\
         --runs "seed 0=outputs/ppo_seed0/summary.json" "seed 1=outputs/ppo_seed1/summary.json"
 
-Each curve is the evaluation success (the ODE sampler from ``x_0 ~ N(0, I)``) against environment steps (and, with
-``--wall_time``, against wall-clock minutes), starting from the run's BC level at step 0
+Each curve is the run's own learning-curve success (its evaluation sampler, e.g. the ODE
+at ``eval_num_steps`` from ``x_0 ~ N(0, I)`` for ``examples/ppo.py``) against environment
+steps (and, with ``--wall_time``, against wall-clock minutes), starting from the run's BC level at step 0
 unless the run evaluated its own starting point (DSRL does); each run's BC level is a
 dashed line, and its noise-free BC level (``x_0 = 0``, written by ``examples/dsrl.py``) a
 dotted one.
