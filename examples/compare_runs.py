@@ -38,7 +38,9 @@ from torchrl_flowpolicy.statistics import paired_bootstrap_interval
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common import option, parse_config, save_figure  # noqa: E402
+from torchrl_flowpolicy.runs import save_figure  # noqa: E402
+
+from common import option, parse_config  # noqa: E402
 
 
 @dataclass

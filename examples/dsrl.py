@@ -41,64 +41,56 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from tensordict import TensorDict, TensorDictBase  # noqa: E402
-from tensordict.nn import TensorDictModule  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
-from torchrl.collectors import Collector  # noqa: E402
-from torchrl.data import Composite, LazyTensorStorage, RandomSampler, ReplayBuffer  # noqa: E402
-from torchrl.envs import EnvBase  # noqa: E402
-from torchrl.envs.utils import ExplorationType  # noqa: E402
-from torchrl.modules import (  # noqa: E402
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import TensorDictModule
+from torch import Tensor, nn
+from torchrl.collectors import Collector
+from torchrl.data import Composite, LazyTensorStorage, RandomSampler, ReplayBuffer
+from torchrl.envs import EnvBase
+from torchrl.envs.utils import ExplorationType
+from torchrl.modules import (
     MLP,
     NormalParamExtractor,
     ProbabilisticActor,
     TanhNormal,
     ValueOperator,
 )
-from torchrl.objectives import SACLoss, SoftUpdate  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from torchrl.objectives import SACLoss, SoftUpdate
+from tqdm import tqdm
 
-from torchrl_flowpolicy import FlowSDEPolicy  # noqa: E402
-from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform  # noqa: E402
-from torchrl_flowpolicy.envs import decision_discount, get_task  # noqa: E402
-from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
-from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed  # noqa: E402
-
-import pretrain  # noqa: E402
-from common import (
-    MetricLogger,
-    ModelConfig,
-    TaskOptions,  # noqa: E402
+from torchrl_flowpolicy import FlowSDEPolicy
+from torchrl_flowpolicy.collectors import env_steps as count_env_steps
+from torchrl_flowpolicy.collectors import make_task_env
+from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform
+from torchrl_flowpolicy.envs import decision_discount, get_task
+from torchrl_flowpolicy.evaluation import evaluate_policy
+from torchrl_flowpolicy.loggers import MetricLogger
+from torchrl_flowpolicy.models import ModelConfig, load_policy_checkpoint
+from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed
+from torchrl_flowpolicy.reports import (
     curve_baselines,
     decisions_per_episode,
     held_out_protocol,
-    load_policy,
-    load_run,
     make_eval_env,
-    make_task_env,
-    option,
-    parse_config,
-    plot_baselines,
-    plot_success_band,
+    plot_learning_curve,
+    run_summary,
+    task_options,
+)
+from torchrl_flowpolicy.runs import (
+    load_run,
     require_run_checkpoint,
     resolve_device,
     restore_random_state,
     resume_run,
-    save_figure,
     save_run,
     seed_random_generators,
-    task_defaults,
-    validate_config,
     write_json,
 )
-from common import (
-    env_steps as count_env_steps,
-)
+from torchrl_flowpolicy.sampler import SamplerOptions
+
+import pretrain
+from common import TaskOptions, option, parse_config, task_defaults, validate_config
 
 
 @dataclass
@@ -310,41 +302,20 @@ def make_critic(policy: FlowSDEPolicy, config: DSRLConfig) -> ValueOperator:
     return ValueOperator(network, in_keys=["observation", "action"])
 
 
-def plot_curves(history: list[dict], baselines: dict[str, dict], path: Path, title: str) -> None:
-    """Success and return against environment steps, success against wall time, on the
-    curve seeds; the baselines (BC under both decodings, the expert) as lines; success with
-    Wilson 95 % bands."""
-    steps = [row["env_steps"] for row in history]
-    minutes = [row["wall_seconds"] / 60 for row in history]
-    figure, (success_axis, return_axis, time_axis) = plt.subplots(1, 3, figsize=(16, 4))
-    for axis, x in ((success_axis, steps), (time_axis, minutes)):
-        plot_success_band(axis, x, history, label="DSRL (mean noise)")
-        plot_baselines(axis, baselines)
-    success_axis.set(xlabel="environment steps", ylabel="success (%)", ylim=(-2, 102))
-    return_axis.plot(steps, [row["mean_return"] for row in history], "o-", label="DSRL")
-    return_axis.set(xlabel="environment steps", ylabel="episode return")
-    time_axis.set(xlabel="training wall time (min)", ylabel="success (%)", ylim=(-2, 102))
-    for (label, baseline), style in zip(baselines.items(), ("--", ":", "-."), strict=False):
-        return_axis.axhline(baseline["mean_return"], color="gray", linestyle=style, label=label)
-    for axis in (success_axis, return_axis, time_axis):
-        axis.grid(alpha=0.3)
-        axis.legend()
-    figure.suptitle(
-        f"{title} DSRL: deterministic evaluation (mean noise, ODE K = 20) on "
-        f"{history[-1]['num_episodes']} curve episodes (seeds {CURVE_SEED}+), 95 % Wilson bands"
-    )
-    figure.tight_layout()
-    save_figure(figure, path)
-    plt.close(figure)
-
-
 def make_noise_env(
     policy: FlowSDEPolicy, config: DSRLConfig, num_envs: int, executed_chunk_length: int
 ) -> EnvBase:
     """``num_envs`` chunked task envs whose action is the frozen policy's noise (counting
     env steps), their tensors on the policy's device (the simulators run on the CPU)."""
     device = policy.encoder[0].loc.device
-    env = make_task_env(config, num_envs, executed_chunk_length, count_steps=True, device=device)
+    env = make_task_env(
+        config.task,
+        num_envs,
+        executed_chunk_length,
+        task_options=task_options(config),
+        count_steps=True,
+        device=device,
+    )
     return env.append_transform(NoiseActionTransform(policy, noise_bound=config.noise_bound))
 
 
@@ -640,31 +611,21 @@ def write_summary(
     pretrained_state: dict[str, Any],
     start: float,
 ) -> dict[str, Any]:
-    """``summary.json``: the baselines on the curve seeds (BC under both decodings, the
-    expert), the final evaluation (the history's last row), counters, the held-out protocol."""
-    bc, bc_noise_free = baselines["BC (sampled)"], baselines["BC (noise-free)"]
-    final = run.history[-1]
-    summary = {
-        "seed": config.seed,
-        "bc_success": bc["success_rate"],
-        "rl_success": final["success_rate"],
-        "bc_return": bc["mean_return"],
-        "bc_noise_free_success": bc_noise_free["success_rate"],
-        "bc_noise_free_return": bc_noise_free["mean_return"],
-        "rl_return": final["mean_return"],
-        "expert_success": baselines["expert"]["success_rate"],
-        "curve_baselines": baselines,
-        "held_out": held_out,
-        "env_steps": run.env_steps,
-        "iterations": run.iteration,
-        "updates": run.updates,
-        "eval_episodes": config.eval_episodes,
-        "training_wall_seconds": run.wall_seconds,
-        "wall_seconds": time.perf_counter() - start,
-        "history": run.history,
-        "config": dataclasses.asdict(config),
-        "pretrained": json.loads(pretrained_state.get("summary", "{}")),
-    }
+    """``summary.json`` (:func:`~torchrl_flowpolicy.reports.run_summary`) with the counters
+    and wall times of a DSRL run."""
+    summary = run_summary(
+        config,
+        baselines,
+        run.history,
+        held_out,
+        pretrained_state,
+        bc_noise_free_return=baselines["BC (noise-free)"]["mean_return"],
+        env_steps=run.env_steps,
+        iterations=run.iteration,
+        updates=run.updates,
+        training_wall_seconds=run.wall_seconds,
+        wall_seconds=time.perf_counter() - start,
+    )
     write_json(Path(config.output_dir) / "summary.json", summary)
     return summary
 
@@ -685,8 +646,10 @@ def main(config: DSRLConfig) -> dict:
     pretrained = Path(config.pretrained_checkpoint)
     if not pretrained.is_file():
         pretrain.main(pretrain.config_for_run(config))
-    policy, model_config, pretrained_state = load_policy(
-        pretrained, eval_num_steps=config.eval_num_steps
+    policy, model_config, _, pretrained_state = load_policy_checkpoint(
+        pretrained,
+        sampler=SamplerOptions(eval_num_denoising_steps=config.eval_num_steps),
+        task=config.task,
     )
     policy.to(device)
     # --resume: the run checkpoint, refused now if corrupt or of another task or architecture.
@@ -772,8 +735,14 @@ def main(config: DSRLConfig) -> dict:
         policy, actor, config, executed, held_out_env, name="DSRL", device=device
     )
     held_out_env.close()
-    plot_curves(
-        run.history, baselines, output_dir / "learning_curve.png", get_task(config.task).title
+    title = f"{get_task(config.task).title} DSRL: deterministic evaluation (mean noise, ODE K = 20)"
+    plot_learning_curve(
+        run.history,
+        baselines,
+        output_dir / "learning_curve.png",
+        title=title,
+        label="DSRL (mean noise)",
+        wall_time=True,
     )
     summary = write_summary(config, baselines, run, held_out, pretrained_state, start)
     bc, final = baselines["BC (sampled)"], run.history[-1]

@@ -57,26 +57,23 @@ from tqdm import tqdm
 from torchrl_flowpolicy.dsrl import NoiseActionTransform
 from torchrl_flowpolicy.envs import get_task
 from torchrl_flowpolicy.evaluation import evaluate_decodings, evaluate_episodes
+from torchrl_flowpolicy.models import SavedPolicy, load_policy_checkpoint
 from torchrl_flowpolicy.protocol import (
     format_protocol,
     protocol_summary,
     split_seed,
 )
-from torchrl_flowpolicy.video import make_render_env, record_episodes
-
-from common import (
-    TaskOptions,
+from torchrl_flowpolicy.reports import (
     decisions_per_episode,
     evaluate_task_expert,
-    load_policy,
     make_eval_env,
-    option,
     outcome_summary,
-    parse_config,
-    task_defaults,
     task_options,
-    write_json,
 )
+from torchrl_flowpolicy.runs import write_json
+from torchrl_flowpolicy.video import make_render_env, record_episodes
+
+from common import TaskOptions, option, parse_config, task_defaults
 
 
 @dataclass
@@ -88,7 +85,9 @@ class EvaluateConfig(TaskOptions):
     uniform_noise_bounds: str = option(
         "", "comma-separated m: also decode uniform noise in [-m, m]^(H x D)"
     )
-    eval_num_steps: int = option(20, "K of the deterministic ODE")
+    eval_num_steps: int = option(
+        0, "K of the deterministic ODE (0: the checkpoint's own, saved with its sampler settings)"
+    )
     eval_episodes: int = option(50, "evaluation episodes (the first seeds of the split)")
     split: Literal["curve", "validation", "held_out"] = option(
         "validation",
@@ -117,8 +116,18 @@ class EvaluateConfig(TaskOptions):
     threads: int = option(1, "torch CPU threads")
 
 
+def load_checkpoint_policy(path: str, config: EvaluateConfig) -> SavedPolicy:
+    """The policy of a checkpoint with its saved sampler settings (a checkpoint saved before
+    they were recorded: the defaults, K = 20), its ODE's K replaced by ``--eval_num_steps``
+    when given; a checkpoint of another task than ``--task`` is refused."""
+    saved = load_policy_checkpoint(Path(path), task=config.task)
+    if config.eval_num_steps:
+        saved.policy.eval_num_steps = config.eval_num_steps
+    return saved
+
+
 def report_row(outcomes: dict[str, torch.Tensor], label: str, **row: object) -> dict:
-    """One evaluation's row (:func:`~common.outcome_summary` and the per-episode successes),
+    """One evaluation's row (:func:`~torchrl_flowpolicy.reports.outcome_summary` and the per-episode successes),
     printed as ``label``; ``row`` adds columns."""
     result = outcome_summary(outcomes)
     tqdm.write(
@@ -190,9 +199,7 @@ def video_name(path: str, scale: float) -> str:
 def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> list[dict]:
     """Each checkpoint against ``config.baseline`` under the protocol, on the split's seeds."""
     seed = split_seed(config.split, config.eval_episodes)
-    baseline, model_config, _ = load_policy(
-        Path(config.baseline), eval_num_steps=config.eval_num_steps
-    )
+    baseline, model_config, _, _ = load_checkpoint_policy(config.baseline, config)
     executed = model_config.executed_chunk_length
     env = make_eval_env(config, config.eval_episodes, executed)
     options = {
@@ -203,7 +210,7 @@ def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> lis
     expert = evaluate_task_expert(config, config.eval_episodes, seed)
     comparisons = []
     for path in checkpoints:
-        policy, _, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
+        policy = load_checkpoint_policy(path, config).policy
         rl = evaluate_decodings(policy, env, seed=seed, **options)
         summary = protocol_summary(bc, rl, expert, reported_decoding=config.reported_decoding)
         tqdm.write(f"{path}: {format_protocol(summary)}")
@@ -227,7 +234,7 @@ def main(config: EvaluateConfig) -> list[dict]:
             videos.append(record_video(None, None, "expert", config))
     progress = tqdm(total=len(checkpoints) * (len(scales) + len(bounds)), desc="evaluations")
     for path in checkpoints:
-        policy, model_config, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
+        policy, model_config, _, _ = load_checkpoint_policy(path, config)
         executed = model_config.executed_chunk_length
         max_decisions = decisions_per_episode(config.max_episode_steps, executed)
         env = make_eval_env(config, config.eval_episodes, executed)

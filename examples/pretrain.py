@@ -25,24 +25,14 @@ from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.data import make_chunk_dataset
 from torchrl_flowpolicy.envs import get_task, load_or_collect_demos
 from torchrl_flowpolicy.evaluation import evaluate_policy
+from torchrl_flowpolicy.models import TASK_MODEL_FIELDS, ModelConfig, build_policy, save_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.objectives import FlowMatchingLoss
+from torchrl_flowpolicy.reports import decisions_per_episode, make_eval_env, task_options
+from torchrl_flowpolicy.runs import write_json
+from torchrl_flowpolicy.sampler import SamplerOptions
 
-from common import (
-    TASK_MODEL_FIELDS,
-    ModelConfig,
-    TaskOptions,
-    build_policy,
-    decisions_per_episode,
-    make_eval_env,
-    option,
-    parse_config,
-    save_policy,
-    task_defaults,
-    task_options,
-    validate_config,
-    write_json,
-)
+from common import TaskOptions, option, parse_config, task_defaults, validate_config
 
 
 @dataclass
@@ -220,7 +210,7 @@ def main(config: PretrainConfig) -> dict:
     )
     normalizer = ObservationNormalizer.from_data(dataset["observation"])
     # The parity check below evaluates the model's distribution (x_0 ~ N(0, I)).
-    policy = build_policy(config.model, normalizer, eval_noise_scale=1.0)
+    policy = build_policy(config.model, normalizer, SamplerOptions(eval_noise_scale=1.0))
     losses = train(policy, dataset, config)
     train_seconds = time.perf_counter() - start
 
@@ -238,7 +228,7 @@ def main(config: PretrainConfig) -> dict:
         "total_seconds": time.perf_counter() - start,
     }
     checkpoint = output_dir / config.checkpoint_name
-    save_policy(checkpoint, policy, config.model, summary=json.dumps(summary))
+    save_policy(checkpoint, policy, config.model, task=config.task, summary=json.dumps(summary))
     write_json(output_dir / "summary.json", summary)
     print(f"saved {checkpoint} ({summary['total_seconds']:.0f} s)")
     return summary

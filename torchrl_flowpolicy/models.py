@@ -1,0 +1,287 @@
+"""The reference flow policy of the tasks and its checkpoint.
+
+:class:`ModelConfig` is the architecture (the reference transformer action expert of
+:mod:`~torchrl_flowpolicy.networks` with an observation encoder), :func:`build_policy` makes
+the :class:`~torchrl_flowpolicy.FlowSDEPolicy` from it and a
+:class:`~torchrl_flowpolicy.sampler.SamplerOptions`. :func:`save_policy` writes a policy
+checkpoint that holds everything needed to rebuild the policy: the architecture, the
+weights (observation normaliser included), the sampler settings, the task and the
+observation layout. :func:`load_policy` reads it back::
+
+    from torchrl_flowpolicy import load_policy
+
+    policy = load_policy("outputs/pretrain/policy.pt")  # with its saved sampler settings
+
+A checkpoint saved before the sampler settings were recorded loads with the
+``SamplerOptions()`` defaults (what every loader used then), with a warning saying so;
+pass ``sampler=`` to choose them.
+
+Example:
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> import torch
+    >>> from torchrl_flowpolicy.networks import ObservationNormalizer
+    >>> from torchrl_flowpolicy.sampler import SamplerOptions
+    >>> config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
+    >>> normalizer = ObservationNormalizer(torch.zeros(23), torch.ones(23))
+    >>> policy = build_policy(config, normalizer, SamplerOptions(num_denoising_steps=4))
+    >>> path = Path(tempfile.mkdtemp()) / "policy.pt"
+    >>> save_policy(path, policy, config, task="pusher")
+    >>> load_policy(path).num_steps
+    4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint
+from torchrl_flowpolicy.networks import (
+    ActionExpertTransformer,
+    NoiseHead,
+    ObservationEncoder,
+    ObservationNormalizer,
+)
+from torchrl_flowpolicy.policy import FlowSDEPolicy
+from torchrl_flowpolicy.sampler import SamplerOptions
+
+__all__ = [
+    "ModelConfig",
+    "TASK_MODEL_FIELDS",
+    "build_policy",
+    "build_noise_head",
+    "save_policy",
+    "load_policy",
+    "load_policy_checkpoint",
+    "SavedPolicy",
+    "policy_record",
+    "noise_record",
+]
+
+
+def _field(default: int, help: str) -> Any:
+    """A positive integer field with its ``--help`` line (``metadata``: ``"help"``,
+    ``"minimum"``, as the examples' command line reads them)."""
+    return dataclasses.field(default=default, metadata={"help": help, "minimum": 1})
+
+
+@dataclass
+class ModelConfig:
+    """The reference flow policy's architecture (saved with every checkpoint).
+
+    Each field's metadata holds its help line and its lower bound (``"help"``,
+    ``"minimum"``), which the examples' command line shows and checks.
+    """
+
+    chunk_length: int = _field(8, "H: rows predicted per decision")
+    executed_chunk_length: int = _field(4, "H': rows executed per decision (closed-loop pushing)")
+    model_dim: int = _field(64, "token width of the action expert and the context")
+    num_heads: int = _field(4, "attention heads")
+    num_layers: int = _field(2, "decoder layers of the action expert")
+    num_context_tokens: int = _field(4, "context tokens computed once per decision")
+    # Set from the task by the pretraining (not command-line options).
+    observation_dim: int = _field(23, "size of the task's observation (set from the task)")
+    action_dim: int = _field(7, "size of one action (set from the task)")
+
+
+# The ModelConfig fields that come from the task, not from the command line.
+TASK_MODEL_FIELDS = ("observation_dim", "action_dim")
+
+
+def _policy_arguments(sampler: SamplerOptions) -> dict[str, Any]:
+    """:class:`~torchrl_flowpolicy.FlowSDEPolicy`'s keyword arguments for ``sampler``."""
+    return {
+        "num_steps": sampler.num_denoising_steps,
+        "eval_num_steps": sampler.eval_num_denoising_steps,
+        "noise_level": sampler.noise_level,
+        "sde_mode": sampler.sde_mode,
+        "num_sde_steps": sampler.num_sde_steps,
+        "shift": sampler.shift,
+        "noise_schedule": sampler.noise_schedule,
+        "rollout_noise_scale": sampler.rollout_noise_scale,
+        "eval_noise_scale": sampler.eval_noise_scale,
+    }
+
+
+def _sampler_options(policy: FlowSDEPolicy) -> SamplerOptions:
+    """The sampler settings ``policy`` has now (those a checkpoint saves)."""
+    return SamplerOptions(
+        num_denoising_steps=policy.num_steps,
+        eval_num_denoising_steps=policy.eval_num_steps,
+        noise_level=policy.noise_level,
+        sde_mode=policy.sde_mode,
+        num_sde_steps=policy.num_sde_steps,
+        shift=policy.shift,
+        noise_schedule=policy.noise_schedule,
+        rollout_noise_scale=policy.rollout_noise_scale,
+        eval_noise_scale=policy.eval_noise_scale,
+    )
+
+
+def build_policy(
+    model_config: ModelConfig,
+    normalizer: ObservationNormalizer,
+    sampler: SamplerOptions | None = None,
+) -> FlowSDEPolicy:
+    """The reference transformer action expert with an observation encoder (``normalizer``
+    first), sampling with ``sampler`` (default: ``SamplerOptions()``)."""
+    encoder = nn.Sequential(
+        normalizer,
+        ObservationEncoder(
+            model_config.observation_dim,
+            model_dim=model_config.model_dim,
+            num_tokens=model_config.num_context_tokens,
+        ),
+    )
+    expert = ActionExpertTransformer(
+        (model_config.chunk_length, model_config.action_dim),
+        model_dim=model_config.model_dim,
+        num_heads=model_config.num_heads,
+        num_layers=model_config.num_layers,
+    )
+    return FlowSDEPolicy(
+        expert,
+        action_shape=(model_config.chunk_length, model_config.action_dim),
+        encoder=encoder,
+        executed_chunk_length=model_config.executed_chunk_length,
+        **_policy_arguments(sampler or SamplerOptions()),
+    )
+
+
+def build_noise_head(
+    model_config: ModelConfig, min_std: float, max_std: float, initial_std: float | None = None
+) -> NoiseHead:
+    """The learned exploration noise of :func:`build_policy`'s policy: a
+    :class:`~torchrl_flowpolicy.networks.NoiseHead` on the encoder's context tokens
+    (``num_context_tokens * model_dim`` features), std in ``[min_std, max_std]``."""
+    return NoiseHead(
+        model_config.num_context_tokens * model_config.model_dim,
+        (model_config.chunk_length, model_config.action_dim),
+        min_std=min_std,
+        max_std=max_std,
+        initial_std=initial_std,
+    )
+
+
+def noise_record(policy: FlowSDEPolicy) -> dict[str, Any]:
+    """The policy's exploration noise as a checkpoint records it: ``{"kind": "fixed"}``, or
+    ``{"kind": "learned", "min_std", "max_std"}`` with a noise head (rebuilt on load)."""
+    head = policy.noise_head
+    if head is None:
+        return {"kind": "fixed"}
+    return {"kind": "learned", "min_std": head.min_std, "max_std": head.max_std}
+
+
+def policy_record(
+    policy: FlowSDEPolicy, model_config: ModelConfig, task: str | None = None
+) -> dict[str, Any]:
+    """What a checkpoint records beside the weights (``"policy"``) to rebuild ``policy``
+    (:func:`load_policy`): the architecture, the sampler settings, the exploration noise, the
+    observation layout and (with ``task``) the task it was trained on."""
+    record = {
+        "model_config": asdict(model_config),
+        "sampler": _sampler_options(policy).to_dict(),
+        "noise": noise_record(policy),
+        "observation_layout": {
+            "in_keys": [key if isinstance(key, str) else list(key) for key in policy.in_keys],
+            "observation_dim": model_config.observation_dim,
+        },
+    }
+    return record if task is None else {**record, "task": task}
+
+
+def save_policy(
+    path: str | Path,
+    policy: FlowSDEPolicy,
+    model_config: ModelConfig,
+    *,
+    task: str | None = None,
+    **extra: Any,
+) -> None:
+    """An atomic policy checkpoint: the weights (``"policy"``), :func:`policy_record` and the
+    ``extra`` entries."""
+    record = policy_record(policy, model_config, task)
+    save_checkpoint({**record, "policy": policy.state_dict(), **extra}, path)
+
+
+class SavedPolicy(NamedTuple):
+    """A policy checkpoint, rebuilt (:func:`load_policy_checkpoint`)."""
+
+    policy: FlowSDEPolicy
+    model_config: ModelConfig
+    sampler: SamplerOptions
+    checkpoint: dict[str, Any]
+
+
+def _check_task(path: str | Path, state: dict[str, Any], model_config: ModelConfig, task: str):
+    """Refuse the checkpoint of another task: its recorded task, or (a checkpoint saved
+    before tasks were recorded) an observation size other than the task's."""
+    saved = state.get("task")
+    if saved is None:
+        from torchrl_flowpolicy.envs import get_task  # the simulators' registry, only here
+
+        expected = get_task(task).observation_dim
+        if model_config.observation_dim == expected:
+            return
+        saved = f"another task (observation size {model_config.observation_dim}, not {expected})"
+    if saved != task:
+        raise ValueError(
+            f"the policy checkpoint at {path} was trained on {saved!r}, not on this run's task "
+            f"{task!r}: pass the checkpoint of a {task!r} pretraining (--pretrained_checkpoint),"
+            f" or run the task the checkpoint was trained on."
+        )
+
+
+def load_policy_checkpoint(
+    path: str | Path, *, sampler: SamplerOptions | None = None, task: str | None = None
+) -> SavedPolicy:
+    """Rebuild the policy saved by :func:`save_policy` (or by a run checkpoint holding its
+    weights as ``"policy"`` and a :func:`policy_record`), with its config and checkpoint.
+
+    Args:
+        path: the checkpoint.
+        sampler: the sampler settings to use instead of the saved ones. A checkpoint saved
+            before they were recorded gets ``SamplerOptions()`` unless this is given (with
+            a warning).
+        task: the task the policy must have been trained on (checked when given).
+
+    Raises:
+        ValueError: ``task`` differs from the checkpoint's (naming both), or a corrupt file.
+    """
+    state = load_checkpoint(path)
+    model_config = ModelConfig(**state["model_config"])
+    if task is not None:
+        _check_task(path, state, model_config, task)
+    if sampler is None and "sampler" in state:
+        sampler = SamplerOptions.from_dict(state["sampler"])
+    elif sampler is None:
+        warnings.warn(
+            f"the policy checkpoint at {path} holds no sampler settings (it was saved before "
+            "they were recorded): the policy samples with the SamplerOptions() defaults; pass "
+            "sampler=SamplerOptions(...) to choose them.",
+            stacklevel=2,
+        )
+        sampler = SamplerOptions()
+    size = model_config.observation_dim
+    normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
+    policy = build_policy(model_config, normalizer, sampler)
+    noise = state.get("noise", {})
+    if noise.get("kind") == "learned":
+        policy.noise_head = build_noise_head(model_config, noise["min_std"], noise["max_std"])
+    policy.load_state_dict(state["policy"])
+    return SavedPolicy(policy, model_config, sampler, state)
+
+
+def load_policy(
+    path: str | Path, *, sampler: SamplerOptions | None = None, task: str | None = None
+) -> FlowSDEPolicy:
+    """The policy saved at ``path``, with its saved sampler settings (or ``sampler``); see
+    :func:`load_policy_checkpoint`."""
+    return load_policy_checkpoint(path, sampler=sampler, task=task).policy
