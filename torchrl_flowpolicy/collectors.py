@@ -24,9 +24,10 @@ Example:
     ...     num_steps=4, executed_chunk_length=2,
     ... )
     >>> make_env = TaskEnvFactory("pusher", 2, {"max_episode_steps": 6})
-    >>> options = CollectorOptions(num_envs=2, frames_per_batch=6)
-    >>> collector = make_collector(policy, make_env, options, seed=first_reset_seed(0, 1, 2))
-    >>> seed_batch(collector, options, first_reset_seed(0, 1, 2))
+    >>> options = CollectorOptions(num_envs=2)
+    >>> seed = first_reset_seed(0, 1, 2)
+    >>> collector = make_collector(policy, make_env, options, frames_per_batch=6, seed=seed)
+    >>> seed_batch(collector, options, seed)
     >>> next(iter(collector)).batch_size
     torch.Size([2, 3])
     >>> shutdown_collector(collector, options)
@@ -37,6 +38,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -141,7 +143,6 @@ class CollectorOptions:
 
     Attributes:
         num_envs: environments over all workers (a multiple of ``workers``).
-        frames_per_batch: decisions per batch (``num_envs`` times the decisions per env).
         workers: 1: collection in this process; more: worker processes or Ray actors.
         backend: ``"process"`` (TorchRL's ``Collector`` / ``MultiSyncCollector``) or
             ``"ray"`` (TorchRL's ``RayCollector``; needs the ``ray`` extra).
@@ -152,7 +153,6 @@ class CollectorOptions:
     """
 
     num_envs: int
-    frames_per_batch: int
     workers: int = 1
     backend: Literal["process", "ray"] = "process"
     worker_threads: int = 1
@@ -164,6 +164,11 @@ class CollectorOptions:
             raise ValueError(
                 f"num_envs={self.num_envs} must be a positive multiple of workers="
                 f"{self.workers} (each worker steps num_envs / workers environments)."
+            )
+        if self.backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ImportError(
+                "the ray backend needs Ray: pip install 'torchrl_flowpolicy[ray]' (or collect "
+                "with the process backend)."
             )
 
     @property
@@ -182,9 +187,14 @@ def _worker_env_factories(make_env: TaskEnvFactory, options: CollectorOptions, s
 
 
 def make_collector(
-    policy: nn.Module, make_env: TaskEnvFactory, options: CollectorOptions, seed: int
+    policy: nn.Module,
+    make_env: TaskEnvFactory,
+    options: CollectorOptions,
+    *,
+    frames_per_batch: int,
+    seed: int,
 ) -> AnyCollector:
-    """An endless collector of ``options.frames_per_batch`` decisions per batch, under
+    """An endless collector of ``frames_per_batch`` decisions per batch, under
     RANDOM exploration, every batch from fresh resets (seed them with :func:`seed_batch`).
 
     Environment ``i`` (over all workers) is also seeded with ``seed + i`` when it is built,
@@ -192,9 +202,9 @@ def make_collector(
     Ray: see :func:`_make_ray_collector`.
     """
     if options.backend == "ray":
-        return _make_ray_collector(policy, make_env, options, seed)
+        return _make_ray_collector(policy, make_env, options, frames_per_batch, seed)
     settings = {
-        "frames_per_batch": options.frames_per_batch,
+        "frames_per_batch": frames_per_batch,
         "total_frames": -1,
         "exploration_type": ExplorationType.RANDOM,
         "reset_at_each_iter": True,  # a batch starts from the resets that seed_batch seeds
@@ -259,7 +269,11 @@ def merge_worker_batches(batch: TensorDictBase, device: torch.device | str) -> T
 
 
 def _make_ray_collector(
-    policy: nn.Module, make_env: TaskEnvFactory, options: CollectorOptions, seed: int
+    policy: nn.Module,
+    make_env: TaskEnvFactory,
+    options: CollectorOptions,
+    frames_per_batch: int,
+    seed: int,
 ) -> AnyCollector:
     """TorchRL's ``RayCollector``: ``workers`` Ray actors, each a ``Collector`` of
     ``num_envs / workers`` environments seeded and reset as in :func:`make_collector`,
@@ -295,7 +309,7 @@ def _make_ray_collector(
     collector = RayCollector(
         _worker_env_factories(make_env, options, seed),
         copy.deepcopy(policy).cpu(),
-        frames_per_batch=options.frames_per_batch,
+        frames_per_batch=frames_per_batch,
         # RayCollector compares collected frames with total_frames: -1 would end it at once.
         total_frames=2**62,
         exploration_type=ExplorationType.RANDOM,

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from dataclasses import asdict, dataclass
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from tensordict.nn import TensorDictModule
 from torch import nn
 
 from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint
@@ -57,6 +59,7 @@ __all__ = [
     "TASK_MODEL_FIELDS",
     "build_policy",
     "build_noise_head",
+    "build_value_network",
     "save_policy",
     "load_policy",
     "load_policy_checkpoint",
@@ -168,6 +171,24 @@ def build_noise_head(
         max_std=max_std,
         initial_std=initial_std,
     )
+
+
+def build_value_network(policy: FlowSDEPolicy, hidden_dim: int = 256) -> TensorDictModule:
+    """The reference critic of :func:`build_policy`'s policy: a copy of its observation
+    normaliser, then a two-layer tanh MLP of ``hidden_dim`` units, reading ``"observation"``
+    and writing ``"state_value"``, on the policy's device."""
+    normalizer = copy.deepcopy(policy.encoder[0])
+    size = normalizer.loc.numel()
+    network = nn.Sequential(
+        normalizer,
+        nn.Linear(size, hidden_dim),
+        nn.Tanh(),
+        nn.Linear(hidden_dim, hidden_dim),
+        nn.Tanh(),
+        nn.Linear(hidden_dim, 1),
+    )
+    critic = TensorDictModule(network, in_keys=["observation"], out_keys=["state_value"])
+    return critic.to(normalizer.loc.device)
 
 
 def noise_record(policy: FlowSDEPolicy) -> dict[str, Any]:

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,7 @@ __all__ = [
     "require_run_checkpoint",
     "load_run",
     "resume_run",
+    "RunProgress",
     "resolve_device",
     "write_json",
     "save_figure",
@@ -215,6 +218,57 @@ def resume_run(
     if "rng_state" in state:
         state["random_state"] = {"torch": state.pop("rng_state")}
     return state
+
+
+@dataclass
+class RunProgress:
+    """A training run's counters, evaluation history and clock, as its run checkpoint holds
+    them (:meth:`state`, for :func:`save_run`) and a resumed run reads them back
+    (:meth:`from_state`, on what :func:`resume_run` returned).
+
+    ``start`` is the ``time.perf_counter()`` at which a run that has run for
+    :meth:`wall_seconds` started: a resumed run's clock goes on from the checkpoint's.
+
+    Example:
+        >>> run = RunProgress(iteration=2, env_steps=600)
+        >>> row = run.record({"success_rate": 0.5})
+        >>> resumed = RunProgress.from_state(run.state())
+        >>> (resumed.iteration, resumed.history[0]["success_rate"])
+        (2, 0.5)
+    """
+
+    iteration: int = 0
+    env_steps: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+
+    def wall_seconds(self) -> float:
+        """Seconds the run has run (over its interruptions: the time it was running)."""
+        return time.perf_counter() - self.start
+
+    def record(self, evaluation: Mapping[str, Any]) -> dict[str, Any]:
+        """Append (and return) a row of the evaluation history at the current counters."""
+        row = {"env_steps": self.env_steps, "iteration": self.iteration}
+        self.history.append({**row, "wall_seconds": self.wall_seconds(), **evaluation})
+        return self.history[-1]
+
+    def state(self) -> dict[str, Any]:
+        """The checkpoint entries: the counters, the history (as JSON) and the wall time."""
+        return {
+            "iteration": self.iteration,
+            "env_steps": self.env_steps,
+            "history": json.dumps(self.history),
+            "wall_seconds": self.wall_seconds(),
+        }
+
+    @classmethod
+    def from_state(cls, saved: Mapping[str, Any]) -> RunProgress:
+        """The progress a checkpoint holds; one saved before the wall time was recorded goes
+        on from its last history row's."""
+        history = json.loads(saved["history"])
+        last = history[-1]["wall_seconds"] if history else 0.0
+        start = time.perf_counter() - saved.get("wall_seconds", last)
+        return cls(saved["iteration"], saved["env_steps"], history, start)
 
 
 # ----------------------------------------------------------------------------- device, outputs
