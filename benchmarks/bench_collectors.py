@@ -1,5 +1,7 @@
 """Collection throughput: env steps/s with 1 and with 2 collector processes.
 
+The collectors of :func:`torchrl_flowpolicy.collectors.make_collector`, as
+``examples/ppo.py`` builds them (every batch one episode per environment from fresh resets).
 One process: TorchRL's ``Collector`` stepping ``num_envs`` chunked task environments and
 the flow policy (K = 8, the examples' reference transformer, RANDOM exploration) in this
 process. Two processes: TorchRL's ``MultiSyncCollector`` with 2 workers of ``num_envs / 2``
@@ -14,54 +16,25 @@ Run ``python benchmarks/bench_collectors.py --task lift`` (or ``--task pusher``)
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
-from torchrl.collectors import Collector, MultiSyncCollector
-from torchrl.envs.utils import ExplorationType
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from torchrl_flowpolicy.envs import get_task  # noqa: E402
-from torchrl_flowpolicy.networks import ObservationNormalizer  # noqa: E402
-
-from common import (  # noqa: E402
-    ModelConfig,
-    build_policy,
-    decisions_per_episode,
+from torchrl_flowpolicy import SamplerOptions
+from torchrl_flowpolicy.collectors import (
+    CollectorOptions,
+    TaskEnvFactory,
     env_steps,
-    make_task_env,
+    make_collector,
+    shutdown_collector,
 )
-
-
-def make_env(config: SimpleNamespace, num_envs: int, seed: int):
-    env = make_task_env(config, num_envs, 4, count_steps=True)
-    env.set_seed(seed)
-    return env
-
-
-def make_collector(config: SimpleNamespace, policy, workers: int, frames: int):
-    options = {
-        "frames_per_batch": frames,
-        "total_frames": -1,
-        "exploration_type": ExplorationType.RANDOM,
-        "auto_register_policy_transforms": False,
-    }
-    if workers == 1:
-        return Collector(make_env(config, config.num_envs, 0), policy, **options)
-    per_worker = config.num_envs // workers
-    factories = [
-        functools.partial(make_env, config, per_worker, index * per_worker)
-        for index in range(workers)
-    ]
-    return MultiSyncCollector(
-        factories, policy, cat_results=0, num_threads=1, num_sub_threads=1, **options
-    )
+from torchrl_flowpolicy.envs import get_task
+from torchrl_flowpolicy.models import ModelConfig, build_policy
+from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.reports import decisions_per_episode
 
 
 def time_collector(collector, batches: int) -> float:
@@ -87,22 +60,27 @@ def main() -> None:
         args.rounds, args.batches = 2, 2
     torch.set_num_threads(1)
     task = get_task(args.task)
-    config = SimpleNamespace(task=args.task, num_envs=args.num_envs, **task.defaults)
+    options = {name: task.defaults[name] for name in task.option_names if name in task.defaults}
+    make_env = TaskEnvFactory(args.task, 4, options)
     model = ModelConfig(observation_dim=task.observation_dim, action_dim=task.action_dim)
     normalizer = ObservationNormalizer(
         torch.zeros(task.observation_dim), torch.ones(task.observation_dim)
     )
-    policy = build_policy(model, normalizer, num_steps=8, sde_mode="last", num_sde_steps=4)
-    frames = args.num_envs * decisions_per_episode(config.max_episode_steps, 4)
+    sampler = SamplerOptions(num_denoising_steps=8, sde_mode="last", num_sde_steps=4)
+    policy = build_policy(model, normalizer, sampler)
+    frames = args.num_envs * decisions_per_episode(task.defaults["max_episode_steps"], 4)
     rates: dict[int, list[float]] = {1: [], 2: []}
     for round_index in range(args.rounds):
         order = (1, 2) if round_index % 2 == 0 else (2, 1)
         for workers in order:
-            collector = make_collector(config, policy, workers, frames)
+            collection = CollectorOptions(num_envs=args.num_envs, workers=workers)
+            collector = make_collector(
+                policy, make_env, collection, frames_per_batch=frames, seed=0
+            )
             try:
                 rates[workers].append(time_collector(collector, args.batches))
             finally:
-                collector.shutdown()
+                shutdown_collector(collector, collection, num_threads=1)
         print(
             f"round {round_index}: "
             + ", ".join(f"{w} process(es) {rates[w][-1]:.0f} steps/s" for w in (1, 2))

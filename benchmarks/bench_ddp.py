@@ -53,16 +53,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as multiprocessing
 import torchrl
+from example_scripts import load_example
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
+from torchrl_flowpolicy import distributed
 from torchrl_flowpolicy.distributed import close_distributed, init_distributed
+from torchrl_flowpolicy.models import ModelConfig, build_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.reports import decisions_per_episode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import ppo  # noqa: E402
-from common import ModelConfig, build_policy  # noqa: E402
+ppo = load_example("ppo")  # the example's own learner is what is timed
 
 NUM_ENVS = 16
 SUCCESS_FRACTION = 0.3
@@ -129,10 +131,10 @@ def run_rank(
     normalizer = ObservationNormalizer(
         torch.zeros(model_config.observation_dim), torch.ones(model_config.observation_dim)
     )
-    policy = build_policy(model_config, normalizer, **ppo.sampler_options(config))
+    policy = build_policy(model_config, normalizer, ppo.sampler_options(config))
     executed = model_config.executed_chunk_length
     learner = ppo.make_learner(policy, config, executed)
-    decisions = ppo.decisions_per_episode(config.max_episode_steps, executed)
+    decisions = decisions_per_episode(config.max_episode_steps, executed)
     batch = synthetic_batch(policy, decisions, model_config.observation_dim)
     replay_buffer = ReplayBuffer(
         storage=LazyTensorStorage(NUM_ENVS * decisions),
@@ -140,8 +142,8 @@ def run_rank(
         batch_size=config.minibatch_size,
     )
 
-    # Time the all-reduce inside the learner (ppo_iteration calls ppo.average_gradients).
-    average_gradients = ppo.average_gradients
+    # Time the all-reduce inside the learner (ppo_iteration calls distributed.average_gradients).
+    average_gradients = distributed.average_gradients
     all_reduce_seconds: list[float] = []
 
     def timed_average_gradients(parameters) -> None:
@@ -149,7 +151,7 @@ def run_rank(
         average_gradients(parameters)
         all_reduce_seconds.append(time.perf_counter() - start)
 
-    ppo.average_gradients = timed_average_gradients
+    distributed.average_gradients = timed_average_gradients
     ppo.ppo_iteration(learner, batch.clone(), replay_buffer, config, train_actor=True)  # warm-up
     all_reduce_seconds.clear()
     elapsed = 0.0
@@ -268,9 +270,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rounds = arguments.rounds or (2 if arguments.quick else 5)
     iterations = arguments.iterations or (1 if arguments.quick else 2)
     config = ppo.PPOConfig()
-    decisions = ppo.decisions_per_episode(
-        config.max_episode_steps, ModelConfig().executed_chunk_length
-    )
+    decisions = decisions_per_episode(config.max_episode_steps, ModelConfig().executed_chunk_length)
     print(
         f"torch {torch.__version__}, torchrl {torchrl.__version__}, {os.cpu_count()} CPUs, "
         f"{NUM_ENVS} x {decisions} decisions per process and iteration, minibatch "

@@ -1,6 +1,6 @@
-"""Collection throughput of ``examples/ppo.py``'s collectors: process against Ray backends.
+"""Collection throughput of the collectors of ``examples/ppo.py``: process against Ray backends.
 
-Four set-ups of ``ppo.make_collector`` on the chunked Pusher (``num_envs`` environments, the
+Four set-ups of :func:`torchrl_flowpolicy.collectors.make_collector` on the chunked Pusher (``num_envs`` environments, the
 examples' reference transformer with K = 8 and the last 4 steps stochastic, as
 ``benchmarks/bench_collectors.py`` builds it): the process backend with 1 worker (TorchRL's
 ``Collector`` in this process) and 2 (``MultiSyncCollector``), and the Ray backend
@@ -18,19 +18,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-from torchrl_flowpolicy.networks import ObservationNormalizer  # noqa: E402
+from torchrl_flowpolicy import SamplerOptions
+from torchrl_flowpolicy.collectors import (
+    CollectorOptions,
+    TaskEnvFactory,
+    env_steps,
+    make_collector,
+)
+from torchrl_flowpolicy.models import ModelConfig, build_policy
+from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.reports import decisions_per_episode
 
-import ppo  # noqa: E402
-from common import ModelConfig, build_policy, decisions_per_episode, env_steps  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SETUPS = (("process", 1), ("process", 2), ("ray", 1), ("ray", 2))
 EXECUTED_CHUNK_LENGTH = 4
@@ -39,13 +44,14 @@ PUSHER_HORIZON = 150
 
 def time_setup(policy, backend: str, workers: int, args: argparse.Namespace) -> tuple[float, float]:
     """``(env steps/s, seconds to build the collector and collect its first batch)``."""
-    config = ppo.PPOConfig(
-        num_envs=args.num_envs, collector_workers=workers, collector_backend=backend, threads=1
+    options = CollectorOptions(num_envs=args.num_envs, workers=workers, backend=backend)
+    make_env = TaskEnvFactory(
+        "pusher", EXECUTED_CHUNK_LENGTH, {"max_episode_steps": PUSHER_HORIZON}
     )
     frames = args.num_envs * decisions_per_episode(PUSHER_HORIZON, EXECUTED_CHUNK_LENGTH)
     weights = TensorDict.from_module(policy)
     start = time.perf_counter()
-    collector = ppo.make_collector(policy, config, EXECUTED_CHUNK_LENGTH, frames, 0, "cpu")
+    collector = make_collector(policy, make_env, options, frames_per_batch=frames, seed=0)
     batches = iter(collector)
     next(batches)
     collector.update_policy_weights_(weights)
@@ -55,7 +61,7 @@ def time_setup(policy, backend: str, workers: int, args: argparse.Namespace) -> 
         steps += env_steps(next(batches))
         collector.update_policy_weights_(weights)
     rate = steps / (time.perf_counter() - start)
-    collector.shutdown()
+    collector.shutdown()  # Ray itself stays up for the next set-ups
     torch.set_num_threads(1)  # a multi-process collector's shutdown raises the thread count
     return rate, built
 
@@ -81,14 +87,11 @@ def main() -> None:
         num_cpus=args.ray_cpus,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}},
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
     )
+    sampler = SamplerOptions(num_denoising_steps=8, sde_mode="last", num_sde_steps=4)
     policy = build_policy(
-        ModelConfig(),
-        ObservationNormalizer(torch.zeros(23), torch.ones(23)),
-        num_steps=8,
-        sde_mode="last",
-        num_sde_steps=4,
+        ModelConfig(), ObservationNormalizer(torch.zeros(23), torch.ones(23)), sampler
     )
     rates: dict[tuple[str, int], list[float]] = {setup: [] for setup in SETUPS}
     build_seconds: dict[tuple[str, int], list[float]] = {setup: [] for setup in SETUPS}

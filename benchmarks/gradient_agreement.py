@@ -27,16 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from torchrl_flowpolicy.envs import get_task  # noqa: E402
-
-from common import load_policy  # noqa: E402
+from torchrl_flowpolicy import SamplerOptions
+from torchrl_flowpolicy.envs import get_task
+from torchrl_flowpolicy.models import load_policy_checkpoint
 
 
 def episode_mask(done: torch.Tensor) -> torch.Tensor:
@@ -104,13 +102,13 @@ def main() -> None:
         options["max_episode_steps"] = task.defaults["max_episode_steps"]
     for setting in args.settings:
         noise_level, sde_mode, num_sde_steps, rollout_noise_scale = setting.split(",")
-        sampler = {
-            "noise_level": float(noise_level),
-            "sde_mode": sde_mode,
-            "num_sde_steps": int(num_sde_steps),
-            "rollout_noise_scale": float(rollout_noise_scale),
-        }
-        policy, model_config, _ = load_policy(Path(args.checkpoint), **sampler)
+        sampler = SamplerOptions(
+            noise_level=float(noise_level),
+            sde_mode=sde_mode,
+            num_sde_steps=int(num_sde_steps),
+            rollout_noise_scale=float(rollout_noise_scale),
+        )
+        policy, model_config, _, _ = load_policy_checkpoint(Path(args.checkpoint), sampler=sampler)
         executed = model_config.executed_chunk_length
         args.decisions = horizon or math.ceil(task.defaults["max_episode_steps"] / executed)
         env = task.make_env(args.episodes, executed, **options)

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
+from torchrl_flowpolicy import SamplerOptions, load_policy
 from torchrl_flowpolicy.envs.robosuite_tasks import OBSERVATION_SLICES, RobosuiteGymEnv
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from common import load_policy  # noqa: E402
 
 VALIDATION_SEED = 20_000
 GAP = OBSERVATION_SLICES["Lift"]["gripper_to_cube_pos"]
@@ -55,14 +52,14 @@ def closest_approach(policy, env: RobosuiteGymEnv, seed: int) -> dict[str, float
 def action_spread(path: Path, observation, setting: str) -> dict[str, object]:
     """Per-entry std of the first executed action over 512 rollout chains."""
     noise_level, sde_mode, num_sde_steps, rollout_noise_scale = setting.split(",")
-    policy, _, _ = load_policy(
-        path,
+    sampler = SamplerOptions(
         noise_level=float(noise_level),
         sde_mode=sde_mode,
         num_sde_steps=int(num_sde_steps),
         rollout_noise_scale=float(rollout_noise_scale),
         eval_noise_scale=1.0,  # the ODE from x_0 ~ N(0, I): the model's own spread
     )
+    policy = load_policy(path, sampler=sampler)
     batch = TensorDict({"observation": torch.as_tensor(observation).expand(512, -1)}, [512])
     torch.manual_seed(0)
     with set_exploration_type(ExplorationType.RANDOM), torch.no_grad():
@@ -84,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     path = Path(args.checkpoint)
-    policy, _, _ = load_policy(path)
+    policy = load_policy(path)
     env = RobosuiteGymEnv("Lift")
     episodes = [
         closest_approach(policy, env, VALIDATION_SEED + index) for index in range(args.episodes)

@@ -4,11 +4,15 @@ work, with an error that names the option, the path or the fields that differ.""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from pathlib import Path
 
 import pytest
+from conftest import load_example
+
+from torchrl_flowpolicy import reports
+from torchrl_flowpolicy.models import ModelConfig, build_policy, save_policy
+from torchrl_flowpolicy.runs import load_run, save_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,14 +21,15 @@ class Stop(Exception):
     """Raised by a patched step: the run got past the checks under test."""
 
 
-@pytest.fixture
-def examples_on_path(monkeypatch):
-    """The examples import each other (``common``, ``pretrain``) as the scripts do."""
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-
-
 def stop(*args, **kwargs):
     raise Stop
+
+
+def stop_at_the_evaluation_env(module, monkeypatch) -> None:
+    """Stop a script's ``main`` at its first step after the checks: the evaluation env."""
+    monkeypatch.setattr(reports, "make_eval_env", stop)
+    if hasattr(module, "make_eval_env"):  # a script that imported it by name
+        monkeypatch.setattr(module, "make_eval_env", stop)
 
 
 # ----------------------------------------------------------------------------- option bounds
@@ -54,9 +59,9 @@ def stop(*args, **kwargs):
     ],
 )
 def test_out_of_bounds_options_exit_with_an_error_naming_the_option(
-    script, argv, flag, examples_on_path, capsys
+    script, argv, flag, example, capsys
 ):
-    module = importlib.import_module(script)
+    module = example(script)
     with pytest.raises(SystemExit) as exit_:
         module.parse_args(argv)
     assert exit_.value.code == 2  # argparse's usage error
@@ -81,9 +86,9 @@ def test_out_of_bounds_options_exit_with_an_error_naming_the_option(
     ],
 )
 def test_grpo_options_that_contradict_each_other_exit_with_an_error_naming_them(
-    argv, named, examples_on_path, capsys
+    argv, named, example, capsys
 ):
-    import ppo
+    ppo = example("ppo")
 
     with pytest.raises(SystemExit) as exit_:
         ppo.parse_args(["--advantage", "grpo", *argv])
@@ -91,8 +96,8 @@ def test_grpo_options_that_contradict_each_other_exit_with_an_error_naming_them(
     assert named in capsys.readouterr().err
 
 
-def test_grpo_options_are_checked_in_grpo_mode_only(examples_on_path):
-    import ppo
+def test_grpo_options_are_checked_in_grpo_mode_only(example):
+    ppo = example("ppo")
 
     gae = ppo.parse_args(["--num_envs", "10", "--group_size", "4", "--collector_workers", "2"])
     assert (gae.advantage, gae.num_envs) == ("gae", 10)
@@ -114,9 +119,9 @@ def test_grpo_options_are_checked_in_grpo_mode_only(examples_on_path):
     ],
 )
 def test_noise_head_options_without_a_noise_head_exit_with_an_error_naming_them(
-    argv, named, examples_on_path, capsys
+    argv, named, example, capsys
 ):
-    import ppo
+    ppo = example("ppo")
 
     with pytest.raises(SystemExit) as exit_:
         ppo.parse_args(argv)
@@ -126,11 +131,9 @@ def test_noise_head_options_without_a_noise_head_exit_with_an_error_naming_them(
     assert learned.noise == "learned"
 
 
-def test_main_refuses_contradicting_grpo_options_built_in_code(
-    examples_on_path, monkeypatch, tmp_path
-):
-    import ppo
-    import pretrain
+def test_main_refuses_contradicting_grpo_options_built_in_code(example, monkeypatch, tmp_path):
+    ppo = example("ppo")
+    pretrain = example("pretrain")
 
     monkeypatch.setattr(pretrain, "main", stop)  # no work may start
     config = ppo.PPOConfig(
@@ -145,9 +148,9 @@ def test_main_refuses_contradicting_grpo_options_built_in_code(
     assert not (tmp_path / "out").exists()
 
 
-def test_pretrain_command_line_is_validated(examples_on_path, capsys):
-    import pretrain
-    from common import parse_config
+def test_pretrain_command_line_is_validated(example, capsys):
+    pretrain = example("pretrain")
+    parse_config = example("common").parse_config
 
     with pytest.raises(SystemExit):
         parse_config(pretrain.PretrainConfig, ["--learning_rate", "0"], exclude=pretrain.EXCLUDE)
@@ -156,8 +159,8 @@ def test_pretrain_command_line_is_validated(examples_on_path, capsys):
 
 @pytest.mark.parametrize("script", ["ppo", "dsrl"])
 @pytest.mark.parametrize("argv", [[], ["--quick"], ["--task", "lift"], ["--task", "can"]])
-def test_defaults_quick_and_task_defaults_are_within_bounds(script, argv, examples_on_path):
-    importlib.import_module(script).parse_args(argv)
+def test_defaults_quick_and_task_defaults_are_within_bounds(script, argv, example):
+    example(script).parse_args(argv)
 
 
 @pytest.mark.parametrize(
@@ -169,11 +172,11 @@ def test_defaults_quick_and_task_defaults_are_within_bounds(script, argv, exampl
     ],
 )
 def test_main_refuses_an_out_of_bounds_config_built_in_code(
-    script, config_class, field, value, examples_on_path, monkeypatch, tmp_path
+    script, config_class, field, value, example, monkeypatch, tmp_path
 ):
-    import pretrain
+    pretrain = example("pretrain")
 
-    module = importlib.import_module(script)
+    module = example(script)
     monkeypatch.setattr(pretrain, "load_or_collect_demos", stop)  # no work may start
     config = getattr(module, config_class)(output_dir=str(tmp_path / "out"), **{field: value})
     if script != "pretrain":
@@ -193,16 +196,24 @@ def test_main_refuses_an_out_of_bounds_config_built_in_code(
     ],
 )
 def test_learned_noise_bounds_that_do_not_nest_are_refused_before_any_work(
-    options, shown, examples_on_path, monkeypatch, tmp_path
+    options, shown, example, monkeypatch, tmp_path, capsys
 ):
-    import ppo
-    import pretrain
+    ppo = example("ppo")
+    pretrain = example("pretrain")
 
     monkeypatch.setattr(pretrain, "main", stop)  # no work may start
-    config = ppo.parse_args(
-        ["--quick", "--noise", "learned", "--output_dir", str(tmp_path / "out"),
-         "--pretrained_checkpoint", str(tmp_path / "bc.pt"), *options]
-    )  # fmt: skip
+    argv = ["--quick", "--noise", "learned", "--output_dir", str(tmp_path / "out"),
+            "--pretrained_checkpoint", str(tmp_path / "bc.pt")]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:  # on the command line: argparse's error
+        ppo.parse_args([*argv, *options])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "--min_noise_std < --initial_noise_std < --max_noise_std" in error and shown in error
+    # A config built in code: refused by main and check_config.
+    bounds = {
+        option[2:]: float(value) for option, value in zip(options[::2], options[1::2], strict=True)
+    }
+    config = dataclasses.replace(ppo.parse_args(argv), **bounds)
     with pytest.raises(ValueError, match="--min_noise_std < --initial_noise_std < --max_noise_std"):
         ppo.main(config)
     with pytest.raises(ValueError, match=shown):
@@ -213,7 +224,7 @@ def test_learned_noise_bounds_that_do_not_nest_are_refused_before_any_work(
 # ----------------------------------------------------------------------------- resume
 def run_config(script: str, tmp_path: Path, *options: str):
     """A ``--resume`` config of ``script`` whose pretrained checkpoint is ``tmp_path/bc.pt``."""
-    module = importlib.import_module(script)
+    module = load_example(script)
     return module, module.parse_args(
         ["--quick", "--resume", "--output_dir", str(tmp_path / "run"),
          "--pretrained_checkpoint", str(tmp_path / "bc.pt"), "--loggers", "", *options]
@@ -226,8 +237,6 @@ def save_tiny_pretrained(path: Path):
 
     from torchrl_flowpolicy.networks import ObservationNormalizer
 
-    from common import ModelConfig, build_policy, save_policy
-
     model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
     size = model_config.observation_dim
     policy = build_policy(model_config, ObservationNormalizer(torch.zeros(size), torch.ones(size)))
@@ -237,9 +246,9 @@ def save_tiny_pretrained(path: Path):
 
 @pytest.mark.parametrize("script", ["ppo", "dsrl"])
 def test_resume_without_a_checkpoint_is_an_error_naming_the_path(
-    script, examples_on_path, monkeypatch, tmp_path
+    script, example, monkeypatch, tmp_path
 ):
-    import pretrain
+    pretrain = example("pretrain")
 
     monkeypatch.setattr(pretrain, "main", stop)  # refused before the pretraining
     module, config = run_config(script, tmp_path)
@@ -251,8 +260,6 @@ def test_resume_without_a_checkpoint_is_an_error_naming_the_path(
 
 def foreign_checkpoint(path: Path, model_config, **changes):
     """A run checkpoint saved with ``changes`` to this run's identity."""
-    from common import save_run
-
     identity = {
         "task": "pusher",
         "advantage": "gae",
@@ -282,12 +289,12 @@ def foreign_checkpoint(path: Path, model_config, **changes):
     ],
 )
 def test_resuming_another_runs_checkpoint_names_the_fields_that_differ(
-    script, changes, named, examples_on_path, monkeypatch, tmp_path
+    script, changes, named, example, monkeypatch, tmp_path
 ):
     module, config = run_config(script, tmp_path)
     model_config = save_tiny_pretrained(tmp_path / "bc.pt")
     foreign_checkpoint(tmp_path / "run" / "checkpoint.pt", model_config, **changes)
-    monkeypatch.setattr(module, "make_eval_env", stop)  # the first step after the checks
+    stop_at_the_evaluation_env(module, monkeypatch)
     with pytest.raises(ValueError, match="saved by another run") as error:
         module.main(config)
     assert named in str(error.value)
@@ -295,13 +302,13 @@ def test_resuming_another_runs_checkpoint_names_the_fields_that_differ(
 
 @pytest.mark.parametrize(("saved", "this_run"), [("grpo", "gae"), ("gae", "grpo")])
 def test_ppo_resume_with_the_other_advantage_names_it(
-    saved, this_run, examples_on_path, monkeypatch, tmp_path
+    saved, this_run, example, monkeypatch, tmp_path
 ):
     # A GAE checkpoint holds a critic, a GRPO one none: resuming across them is refused.
     module, config = run_config("ppo", tmp_path, "--advantage", this_run)
     model_config = save_tiny_pretrained(tmp_path / "bc.pt")
     foreign_checkpoint(tmp_path / "run" / "checkpoint.pt", model_config, advantage=saved)
-    monkeypatch.setattr(module, "make_eval_env", stop)
+    stop_at_the_evaluation_env(module, monkeypatch)
     with pytest.raises(ValueError, match=f"advantage: saved '{saved}', this run '{this_run}'"):
         module.main(config)
 
@@ -327,10 +334,8 @@ def test_ppo_resume_with_the_other_advantage_names_it(
     ],
 )
 def test_ppo_resume_with_another_exploration_noise_names_it(
-    saved_noise, options, named, examples_on_path, monkeypatch, tmp_path
+    saved_noise, options, named, example, monkeypatch, tmp_path
 ):
-    from common import save_run
-
     module, config = run_config("ppo", tmp_path, *options)
     model_config = save_tiny_pretrained(tmp_path / "bc.pt")
     path = tmp_path / "run" / "checkpoint.pt"
@@ -341,7 +346,7 @@ def test_ppo_resume_with_another_exploration_noise_names_it(
         "advantage": "gae",
     }
     save_run(path, {}, iteration=1, noise=saved_noise, **identity)
-    monkeypatch.setattr(module, "make_eval_env", stop)
+    stop_at_the_evaluation_env(module, monkeypatch)
     with pytest.raises(ValueError, match="saved by another run") as error:
         module.main(config)
     assert named in str(error.value)
@@ -355,71 +360,63 @@ def test_ppo_resume_with_another_exploration_noise_names_it(
     ],
 )
 def test_ppo_resume_of_a_checkpoint_older_than_grpo_and_the_noise_head_names_what_differs(
-    options, named, examples_on_path, monkeypatch, tmp_path
+    options, named, example, monkeypatch, tmp_path
 ):
     # Saved before "advantage" and "noise" were recorded: it had a critic and the fixed noise.
-    from common import save_run
-
     module, config = run_config("ppo", tmp_path, *options)
     model_config = save_tiny_pretrained(tmp_path / "bc.pt")
     path = tmp_path / "run" / "checkpoint.pt"
     path.parent.mkdir(parents=True)
     save_run(path, {}, iteration=1, task="pusher", model_config=dataclasses.asdict(model_config))
-    monkeypatch.setattr(module, "make_eval_env", stop)
+    stop_at_the_evaluation_env(module, monkeypatch)
     with pytest.raises(ValueError, match="saved by another run") as error:
         module.main(config)
     assert named in str(error.value)
     _, defaults = run_config("ppo", tmp_path)  # a GAE run with the fixed noise resumes it
     identity = module.run_identity(defaults, model_config)
-    assert module.load_run(path, identity, module.IMPLIED_IDENTITY)["iteration"] == 1
+    assert load_run(path, identity, module.IMPLIED_IDENTITY)["iteration"] == 1
 
 
-def test_dsrl_resume_with_other_sac_network_sizes_names_them(
-    examples_on_path, monkeypatch, tmp_path
-):
+def test_dsrl_resume_with_other_sac_network_sizes_names_them(example, monkeypatch, tmp_path):
     module, config = run_config("dsrl", tmp_path)
     model_config = save_tiny_pretrained(tmp_path / "bc.pt")
     foreign_checkpoint(tmp_path / "run" / "checkpoint.pt", model_config, hidden_dim=256)
-    monkeypatch.setattr(module, "make_eval_env", stop)
+    stop_at_the_evaluation_env(module, monkeypatch)
     with pytest.raises(ValueError, match="networks.hidden_dim: saved 256, this run 64"):
         module.main(config)
 
 
 @pytest.mark.parametrize("script", ["ppo", "dsrl"])
-def test_resuming_a_matching_checkpoint_passes_the_checks(
-    script, examples_on_path, monkeypatch, tmp_path
-):
+def test_resuming_a_matching_checkpoint_passes_the_checks(script, example, monkeypatch, tmp_path):
     module, config = run_config(script, tmp_path)
     model_config = save_tiny_pretrained(tmp_path / "bc.pt")
     foreign_checkpoint(tmp_path / "run" / "checkpoint.pt", model_config)
-    monkeypatch.setattr(module, "make_eval_env", stop)
+    stop_at_the_evaluation_env(module, monkeypatch)
     with pytest.raises(Stop):
         module.main(config)
 
 
 @pytest.mark.parametrize("script", ["ppo", "dsrl"])
-def test_resuming_a_corrupt_checkpoint_says_it_is_corrupt(
-    script, examples_on_path, monkeypatch, tmp_path
-):
+def test_resuming_a_corrupt_checkpoint_says_it_is_corrupt(script, example, monkeypatch, tmp_path):
     module, config = run_config(script, tmp_path)
     save_tiny_pretrained(tmp_path / "bc.pt")
     path = tmp_path / "run" / "checkpoint.pt"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"PK\x03\x04 cut short")
-    monkeypatch.setattr(module, "make_eval_env", stop)
+    stop_at_the_evaluation_env(module, monkeypatch)
     with pytest.raises(ValueError, match=f"checkpoint at {re.escape(str(path))} is corrupt"):
         module.main(config)
 
 
-def test_lift_defaults_are_the_fine_tuning_recipe(examples_on_path):
+def test_lift_defaults_are_the_fine_tuning_recipe(example):
     # --task lift runs the recipe of docs/robosuite.md (25 demonstrations, 48 envs, strong
     # self-imitation, lr 1e-4, 600k env steps) in every script that clones demonstrations;
     # --quick and the command line still win over it.
-    import dsrl
-
-    import ppo
-    import pretrain
-    from common import parse_config, task_defaults
+    dsrl = example("dsrl")
+    ppo = example("ppo")
+    pretrain = example("pretrain")
+    common = example("common")
+    parse_config, task_defaults = common.parse_config, common.task_defaults
 
     config = ppo.parse_args(["--task", "lift"])
     recipe = (48, 360, 1.0, 1e-4, 600_000, 200, 25, 0.3)

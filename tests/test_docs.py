@@ -77,10 +77,9 @@ def test_api_pages_name_importable_modules():
         importlib.import_module(target)
 
 
-def test_ppo_page_lists_every_option_with_its_default(monkeypatch, capsys):
+def test_ppo_page_lists_every_option_with_its_default(example, capsys):
     """The options table of docs/examples/ppo.md and ``examples/ppo.py --help`` agree."""
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    ppo = importlib.import_module("ppo")
+    ppo = example("ppo")
     with pytest.raises(SystemExit):
         ppo.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import json
 import random
 import re
@@ -16,9 +15,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import load_example
 
 from torchrl_flowpolicy.checkpoint import save_checkpoint
+from torchrl_flowpolicy.loggers import MetricLogger
+from torchrl_flowpolicy.models import (
+    ModelConfig,
+    build_noise_head,
+    build_policy,
+    load_policy_checkpoint,
+    save_policy,
+)
 from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.runs import (
+    RunProgress,
+    load_run,
+    restore_random_state,
+    resume_run,
+    save_figure,
+    save_run,
+    seed_random_generators,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,17 +93,11 @@ def test_sampler_demo_last_steps(tmp_path):
 
 @pytest.mark.slow
 def test_evaluate_checkpoints_at_several_noise_scales(tmp_path):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from common import ModelConfig, build_policy, save_policy
-
-        torch.manual_seed(0)
-        model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
-        size = model_config.observation_dim
-        normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
-        save_policy(tmp_path / "policy.pt", build_policy(model_config, normalizer), model_config)
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    torch.manual_seed(0)
+    model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
+    size = model_config.observation_dim
+    normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
+    save_policy(tmp_path / "policy.pt", build_policy(model_config, normalizer), model_config)
     output = tmp_path / "evaluation.json"
     command = [
         sys.executable,
@@ -168,8 +180,8 @@ def test_compare_runs_table_and_plot(tmp_path):
     assert "| DSRL | 25 % | 50 % | 1,000 | 2.0 |" in result.stdout
 
 
-def test_compare_runs_titles_the_figure_with_the_runs_task(examples_on_path):
-    from compare_runs import default_title
+def test_compare_runs_titles_the_figure_with_the_runs_task():
+    default_title = load_example("compare_runs").default_title
 
     lift = {"config": {"task": "lift", "eval_num_steps": 20}}
     assert default_title([lift, lift]) == "robosuite Lift (Panda): evaluation success (ODE, K = 20)"
@@ -257,12 +269,9 @@ def test_compare_runs_averages_a_label_over_seeds_and_pairs_held_out_episodes(tm
     assert result.returncode != 0 and "is not a label of --runs" in result.stderr
 
 
-def test_dsrl_target_entropy_follows_the_box_and_refuses_unreachable_targets():
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from dsrl import DSRLConfig, target_entropy_per_dim
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+def test_dsrl_target_entropy_follows_the_box_and_refuses_unreachable_targets(example):
+    dsrl = example("dsrl")
+    DSRLConfig, target_entropy_per_dim = dsrl.DSRLConfig, dsrl.target_entropy_per_dim  # noqa: N806
     # nan: SAC's -1 per dimension of [-1, 1] carried to [-m, m], log(m) - 1.
     assert target_entropy_per_dim(DSRLConfig(noise_bound=1.0)) == -1.0
     assert target_entropy_per_dim(DSRLConfig(noise_bound=0.3)) == pytest.approx(-2.2040, abs=1e-4)
@@ -277,9 +286,10 @@ SCRIPTS = sorted(path.name for path in (ROOT / "examples").glob("*.py") if path.
 
 
 @pytest.fixture
-def examples_on_path(monkeypatch):
-    """The examples import each other (``common``, ``pretrain``) as the scripts do."""
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+def example_modules():
+    """A script run in this process (``runpy``) imports ``common`` as from its own folder:
+    the examples loaded from their paths first (``sys.path`` untouched)."""
+    load_example("pretrain")
 
 
 def help_entries(help_text: str) -> dict[str, str]:
@@ -295,7 +305,7 @@ def help_entries(help_text: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_help_describes_every_option(script, examples_on_path, monkeypatch, capsys):
+def test_help_describes_every_option(script, example_modules, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [script, "--help"])
     with pytest.raises(SystemExit) as stop:
         runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
@@ -308,8 +318,8 @@ def test_help_describes_every_option(script, examples_on_path, monkeypatch, caps
         assert text, f"{script}: {flag} has no description"
 
 
-def test_ppo_options_use_the_library_names(examples_on_path, capsys):
-    import ppo
+def test_ppo_options_use_the_library_names(example_modules, capsys):
+    ppo = load_example("ppo")
 
     with pytest.raises(SystemExit):
         ppo.parse_args(["--help"])
@@ -323,10 +333,10 @@ def test_ppo_options_use_the_library_names(examples_on_path, capsys):
     assert "--pretrain.seed" not in entries and "--pretrain.reward" not in entries
 
 
-def test_quick_sets_defaults_and_keeps_explicit_options(examples_on_path):
-    import dsrl
+def test_quick_sets_defaults_and_keeps_explicit_options(example_modules):
+    dsrl = load_example("dsrl")
 
-    import ppo
+    ppo = load_example("ppo")
 
     quick = ppo.parse_args(["--quick"])
     assert (quick.epochs, quick.total_env_steps, quick.pretrain.train_steps) == (2, 2400, 150)
@@ -344,11 +354,11 @@ def test_quick_sets_defaults_and_keeps_explicit_options(examples_on_path):
 
 @pytest.mark.parametrize("script", ["ppo", "dsrl"])
 def test_pretraining_is_an_explicit_call_that_leaves_the_config_alone(
-    script, examples_on_path, monkeypatch, tmp_path
+    script, example_modules, monkeypatch, tmp_path
 ):
-    import pretrain
+    pretrain = load_example("pretrain")
 
-    module = importlib.import_module(script)
+    module = load_example(script)
     config = module.parse_args(
         ["--quick", "--seed", "5", "--reward", "gymnasium", "--output_dir", str(tmp_path / "run"),
          "--pretrained_checkpoint", str(tmp_path / "bc" / "bc_seed5.pt")]
@@ -375,9 +385,7 @@ def test_pretraining_is_an_explicit_call_that_leaves_the_config_alone(
     assert pretrain_config == pretrain.config_for_run(config)
 
 
-def test_run_checkpoint_round_trip_restores_state_and_random_streams(examples_on_path, tmp_path):
-    from common import restore_random_state, resume_run, save_run, seed_random_generators
-
+def test_run_checkpoint_round_trip_restores_state_and_random_streams(example_modules, tmp_path):
     seed_random_generators(0)
     network = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(network.parameters())
@@ -402,19 +410,10 @@ def test_run_checkpoint_round_trip_restores_state_and_random_streams(examples_on
     assert random.random() == expected_draws[2]
 
 
-def test_learned_noise_head_is_saved_with_the_run_and_rebuilt_on_load(examples_on_path, tmp_path):
+def test_learned_noise_head_is_saved_with_the_run_and_rebuilt_on_load(example_modules, tmp_path):
     # --noise learned: the fresh head trains at its own learning rate, is saved with the run,
     # comes back with examples/evaluate.py's load_policy and with --resume's resume_run.
-    import ppo
-    from common import (
-        ModelConfig,
-        build_noise_head,
-        build_policy,
-        load_policy,
-        load_run,
-        resume_run,
-    )
-
+    ppo = load_example("ppo")
     config = ppo.parse_args(
         ["--quick", "--noise", "learned", "--min_noise_std", "0.01", "--max_noise_std", "0.4",
          "--noise_learning_rate", "1e-3"]
@@ -447,10 +446,10 @@ def test_learned_noise_head_is_saved_with_the_run_and_rebuilt_on_load(examples_o
         for parameter in head.parameters():
             parameter.add_(torch.randn_like(parameter))
     path = tmp_path / "checkpoint.pt"
-    ppo.save_ppo_run(path, learner, model_config, 3, 100, [], "pusher")
+    ppo.save_ppo_run(path, learner, model_config, config, RunProgress(3, 100))
 
-    loaded, _, state = load_policy(path)
-    assert state["noise"] == ppo.noise_identity(config)
+    loaded, _, _, state = load_policy_checkpoint(path)
+    assert state["noise"] == ppo.run_identity(config, model_config)["noise"]
     assert state["noise"] == {"kind": "learned", "min_std": 0.01, "max_std": 0.4}
     assert (loaded.noise_head.min_std, loaded.noise_head.max_std) == (0.01, 0.4)
     for name, value in head.state_dict().items():
@@ -463,10 +462,8 @@ def test_learned_noise_head_is_saved_with_the_run_and_rebuilt_on_load(examples_o
     assert resumed.actor_optimizer.param_groups[1]["lr"] == 1e-3
 
 
-def test_a_checkpoint_of_the_earlier_format_resumes_torchs_stream(examples_on_path, tmp_path):
+def test_a_checkpoint_of_the_earlier_format_resumes_torchs_stream(example_modules, tmp_path):
     # Checkpoints written before "random_state" held torch's state alone, as "rng_state".
-    from common import restore_random_state, resume_run
-
     torch.manual_seed(0)
     save_checkpoint(
         {"net": torch.nn.Linear(3, 2).state_dict(), "rng_state": torch.get_rng_state()},
@@ -479,10 +476,8 @@ def test_a_checkpoint_of_the_earlier_format_resumes_torchs_stream(examples_on_pa
 
 
 def test_a_resumed_runs_csv_files_lose_the_rows_logged_after_its_checkpoint(
-    examples_on_path, tmp_path
+    example_modules, tmp_path
 ):
-    from common import MetricLogger
-
     config = argparse.Namespace(seed=0)
     logger = MetricLogger("csv", "ppo_seed0", tmp_path, config)
     for step in (600, 1200, 1800):  # the checkpoint holds step 1200
@@ -506,10 +501,7 @@ def test_a_resumed_runs_csv_files_lose_the_rows_logged_after_its_checkpoint(
 
 
 def test_summaries_and_plots_are_written_atomically(tmp_path):
-    sys.path.insert(0, str(ROOT / "examples"))
     import matplotlib.pyplot as plt
-
-    from common import save_figure, write_json
 
     path = tmp_path / "summary.json"
     write_json(path, {"success": 0.5})

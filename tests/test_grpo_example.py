@@ -4,46 +4,41 @@ and its checkpoint."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_flowpolicy import FlowSDEPolicy
+from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions
 from torchrl_flowpolicy.checkpoint import load_checkpoint
+from torchrl_flowpolicy.collectors import first_reset_seed, make_collector, seed_batch
+from torchrl_flowpolicy.episodes import group_relative_episodes, group_statistics
+from torchrl_flowpolicy.models import ModelConfig, build_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.runs import RunProgress, load_run, resume_run
 
 CHUNK_LENGTH, EXECUTED = 4, 2
 MAX_EPISODE_STEPS = 6  # 3 decisions of 2 steps
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture
-def ppo(monkeypatch):
-    """``examples/ppo.py`` (the examples import each other as the scripts do)."""
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import ppo
-
-    return ppo
+def ppo(example):
+    """``examples/ppo.py``, loaded from its path."""
+    return example("ppo")
 
 
 def model_config():
-    from common import ModelConfig
-
     return ModelConfig(
         chunk_length=CHUNK_LENGTH, executed_chunk_length=EXECUTED, model_dim=16, num_layers=1
     )
 
 
 def example_policy() -> FlowSDEPolicy:
-    from common import build_policy
-
     torch.manual_seed(0)
     normalizer = ObservationNormalizer(torch.zeros(23), torch.ones(23))
-    return build_policy(model_config(), normalizer, num_steps=4, sde_mode="all")
+    sampler = SamplerOptions(num_denoising_steps=4, sde_mode="all")
+    return build_policy(model_config(), normalizer, sampler)
 
 
 def grpo_config(ppo, **changes):
@@ -60,14 +55,24 @@ def grpo_config(ppo, **changes):
     return ppo.PPOConfig(**options)
 
 
+def batch_seed(config, iteration: int, **ranks) -> int:
+    """The example's reset seed of a batch: groups of ``group_size`` count once."""
+    return first_reset_seed(
+        config.seed, iteration, config.num_envs, group_size=config.group_size, **ranks
+    )
+
+
 def collect_batches(ppo, config, policy, iterations: int) -> list[TensorDict]:
     """What ``main`` does before each batch: seed the groups, then collect."""
-    collector = ppo.make_collector(policy, config, EXECUTED, config.num_envs * 3, seed=0)
+    make_env, options = ppo.training_envs(config, EXECUTED), ppo.collector_options(config)
+    assert make_env.group_size == config.group_size  # grpo: the groups are seeded alike
+    frames = config.num_envs * 3
+    collector = make_collector(policy, make_env, options, frames_per_batch=frames, seed=0)
     try:
         batches = iter(collector)
         collected = []
         for iteration in range(1, iterations + 1):
-            ppo.seed_batch(collector, config, ppo.first_reset_seed(config, iteration))
+            seed_batch(collector, options, batch_seed(config, iteration))
             collected.append(next(batches))
         return collected
     finally:
@@ -80,17 +85,17 @@ def test_each_batch_starts_every_group_from_one_seeded_state(ppo):
     for iteration, batch in enumerate(batches, start=1):
         assert batch.batch_size == (6, 3)
         assert (batch["step_count"][:, 0] == 0).all()  # every environment starts an episode
-        first = ppo.first_reset_seed(config, iteration)
+        first = batch_seed(config, iteration)
         states = [gym.make("Pusher-v5").reset(seed=first + group)[0] for group in range(3)]
         np.testing.assert_allclose(
             batch["observation"][:, 0].numpy(), np.repeat(np.stack(states), 2, 0), rtol=1e-6
         )
     # Seeds count groups (3 of them): training_seed(0, n, 3).
-    assert [ppo.first_reset_seed(config, n) for n in (1, 2, 3)] == [0, 40_000, 70_000]
+    assert [batch_seed(config, n) for n in (1, 2, 3)] == [0, 40_000, 70_000]
     # The members of a group draw their own noise: the chunks differ.
     assert not torch.equal(batches[0]["action"][0, 0], batches[0]["action"][1, 0])
     # Under torchrun, rank r's groups follow those of ranks 0 .. r - 1.
-    assert ppo.first_reset_seed(config, 1, rank=1, world_size=2) == 3
+    assert batch_seed(config, 1, rank=1, world_size=2) == 3
 
 
 def test_group_relative_batch_keeps_each_environments_first_episode(ppo):
@@ -100,22 +105,20 @@ def test_group_relative_batch_keeps_each_environments_first_episode(ppo):
     done[1, 0] = True  # environment 1 ends at once (a success) and starts another episode
     reward = torch.tensor([[1.0, 1, 1], [5.0, 9, 9], [0.0, 0, 0], [0.0, 0, 0]]).unsqueeze(-1)
     batch = TensorDict({"next": {"done": done, "reward": reward}}, batch_size=[4, 3])
-    episodes = ppo.group_relative_batch(batch, config)
+    episodes = group_relative_episodes(batch, config.group_size)
     assert episodes.batch_size == (10,)
     assert episodes["group_id"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
     # group 0: returns 3 and 5; group 1: 0 and 0 (no spread: advantage 0)
     half = 2**-0.5
     expected = [-half] * 3 + [half] + [0.0] * 6
     torch.testing.assert_close(episodes["advantage"].squeeze(-1), torch.tensor(expected))
-    statistics = ppo.group_statistics(episodes, config, collected_decisions=12)
+    statistics = group_statistics(episodes, config.group_size, collected_decisions=12)
     assert statistics["grpo/zero_std_groups"] == 0.5
     assert statistics["grpo/kept_decisions"] == 10 / 12
     assert statistics["grpo/episode_return"] == 2.0
 
 
 def test_critic_free_iteration_trains_the_actor_and_checkpoints_no_critic(ppo, tmp_path):
-    from common import load_run, resume_run
-
     config = grpo_config(ppo)
     policy = example_policy()
     learner = ppo.make_learner(policy, config, EXECUTED)
@@ -135,7 +138,7 @@ def test_critic_free_iteration_trains_the_actor_and_checkpoints_no_critic(ppo, t
     assert any(moved)
 
     path = tmp_path / "checkpoint.pt"
-    ppo.save_ppo_run(path, learner, model_config(), 1, 24, [], "pusher", "grpo")
+    ppo.save_ppo_run(path, learner, model_config(), config, RunProgress(1, 24))
     state = load_checkpoint(path)
     assert state["advantage"] == "grpo" and "critic" not in state
     resumed = ppo.make_learner(example_policy(), config, EXECUTED)

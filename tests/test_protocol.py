@@ -86,11 +86,12 @@ def test_training_and_demonstration_seeds_stay_outside_every_split():
 
 def test_only_the_protocol_helper_uses_the_held_out_split():
     sources = {path.name: path.read_text() for path in (ROOT / "examples").glob("*.py")}
+    sources["reports.py"] = (ROOT / "torchrl_flowpolicy" / "reports.py").read_text()
     uses = {
         name: len(re.findall(r"split_seed\(\s*\"held_out\"", text))
         for name, text in sources.items()
     }
-    assert uses.pop("common.py") == 1 and not any(uses.values())
+    assert uses.pop("reports.py") == 1 and not any(uses.values())
     assert not any("HELD_OUT_SEED" in text or "30_000" in text for text in sources.values())
 
 
@@ -290,16 +291,10 @@ def test_summary_rejects_unpaired_evaluations_and_unknown_decodings():
 
 
 # ----------------------------------------------------------------------------- examples
-@pytest.fixture
-def examples_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+def test_examples_protocol_helpers_leave_the_random_stream_alone(example):
+    from torchrl_flowpolicy.reports import curve_baselines, held_out_protocol
 
-
-def test_examples_protocol_helpers_leave_the_random_stream_alone(examples_on_path):
-    import ppo
-    from common import curve_baselines, held_out_protocol
-
-    config = ppo.PPOConfig(
+    config = example("ppo").PPOConfig(
         max_episode_steps=8, eval_episodes=2, held_out_episodes=3, reported_decoding="noise_free"
     )
     bc, rl = tiny_policy(0), tiny_policy(1)

@@ -6,10 +6,6 @@ and :mod:`~torchrl_flowpolicy.envs.demonstrations`.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -309,13 +305,8 @@ def test_demos_cache_is_written_atomically(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # neither a partial cache file nor a temporary one
 
 
-def test_collect_demos_script(tmp_path, capsys, monkeypatch):
-    examples = Path(__file__).resolve().parents[1] / "examples"
-    monkeypatch.syspath_prepend(str(examples))  # the script imports the examples' common.py
-    spec = importlib.util.spec_from_file_location("collect_demos", examples / "collect_demos.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "collect_demos", script)  # dataclasses look it up
-    spec.loader.exec_module(script)
+def test_collect_demos_script(tmp_path, capsys, example):
+    script = example("collect_demos")  # loaded from its path, with the examples' common.py
     argv = ["--num_episodes", "2", "--max_episode_steps", "10", "--output_dir", str(tmp_path)]
     first = script.main(script.parse_config(script.CollectConfig, argv))
     second = script.main(script.parse_config(script.CollectConfig, argv))

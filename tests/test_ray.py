@@ -1,6 +1,7 @@
-"""The PPO example's Ray collection (``--collector_backend ray``) on a local Ray instance.
+"""Ray collection (``examples/ppo.py --collector_backend ray``) on a local Ray instance.
 
-``examples/ppo.py``'s :func:`make_collector` builds TorchRL's ``RayCollector``: one Ray
+:func:`torchrl_flowpolicy.collectors.make_collector` with ``backend="ray"`` builds TorchRL's
+``RayCollector``: one Ray
 actor per worker, each a ``Collector`` over ``num_envs / W`` seeded environments, given a
 CPU copy of the learner's policy. After that copy, the actors see only the weights that
 ``collector.update_policy_weights_(weights)`` sends (``RayWeightSyncScheme``). The test
@@ -22,34 +23,37 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_flowpolicy import FlowSDEPolicy
+from torchrl_flowpolicy.collectors import (
+    CollectorOptions,
+    TaskEnvFactory,
+    make_collector,
+    seed_batch,
+)
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install '.[ray]'")
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ROOT = Path(__file__).resolve().parents[1]
 CHUNK_LENGTH, ACTION_DIM, EXECUTED, NUM_STEPS = 4, 7, 2, 4
 NUM_ENVS, DECISIONS = 4, 3  # 6-step episodes of 2-step chunks: a batch is [4, 3]
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A 2-CPU local Ray instance whose workers import the examples as the scripts do."""
+    """A 2-CPU local Ray instance whose workers import this checkout's package."""
     ray.init(
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}},
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
     )
     yield
     ray.shutdown()
 
 
-@pytest.fixture
-def ppo(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import ppo
-
-    return ppo
+def pusher_envs() -> TaskEnvFactory:
+    """Pusher with 6-step episodes of 2-step chunks, as the example's collectors build it."""
+    return TaskEnvFactory("pusher", EXECUTED, {"max_episode_steps": EXECUTED * DECISIONS})
 
 
 def make_policy() -> FlowSDEPolicy:
@@ -78,20 +82,18 @@ def update(policy: FlowSDEPolicy) -> None:
 
 
 @pytest.mark.slow
-def test_ray_workers_sample_with_the_learner_weights_once_sent(local_ray, ppo):
-    config = ppo.PPOConfig(
-        num_envs=NUM_ENVS,
-        collector_workers=2,
-        collector_backend="ray",
-        max_episode_steps=EXECUTED * DECISIONS,
-    )
+def test_ray_workers_sample_with_the_learner_weights_once_sent(local_ray):
+    from torchrl.collectors.distributed import RayCollector
+
+    options = CollectorOptions(num_envs=NUM_ENVS, workers=2, backend="ray")
     policy = make_policy()
     weights = TensorDict.from_module(policy)
-    collector = ppo.make_collector(policy, config, EXECUTED, NUM_ENVS * DECISIONS, seed=7)
+    frames = NUM_ENVS * DECISIONS
+    collector = make_collector(policy, pusher_envs(), options, frames_per_batch=frames, seed=7)
     try:
-        assert isinstance(collector, ppo.RayCollector)
+        assert isinstance(collector, RayCollector)
         batches = iter(collector)
-        ppo.seed_batch(collector, config, 7)  # each actor's env.set_seed, with its offset
+        seed_batch(collector, options, 7)  # each actor's env.set_seed, with its offset
         first = next(batches)
         # The workers' batches, concatenated along the environments, carry the chain.
         assert first.batch_size == (NUM_ENVS, DECISIONS)
@@ -106,7 +108,7 @@ def test_ray_workers_sample_with_the_learner_weights_once_sent(local_ray, ppo):
         assert first["action"].shape == (NUM_ENVS, DECISIONS, EXECUTED, ACTION_DIM)
         # Worker w's environments follow those of the workers before it: the initial states
         # of one process with NUM_ENVS environments seeded with 7 (the batch's resets).
-        reference = ppo.seeded_env(config, NUM_ENVS, EXECUTED, seed=7)
+        reference = pusher_envs()(NUM_ENVS, 7)
         torch.testing.assert_close(first["observation"][:, 0], reference.reset()["observation"])
         reference.close()
         drifts = [rescoring_drift(policy, first)]
@@ -123,8 +125,8 @@ def test_ray_workers_sample_with_the_learner_weights_once_sent(local_ray, ppo):
 
 
 @pytest.mark.slow  # starting Ray: about 10 s
-def test_ray_collector_refuses_more_workers_than_the_cluster_has_cpus(local_ray, ppo):
+def test_ray_collector_refuses_more_workers_than_the_cluster_has_cpus(local_ray):
     # Each actor reserves one CPU; a third would wait forever on this 2-CPU instance.
-    config = ppo.PPOConfig(num_envs=3, collector_workers=3, collector_backend="ray")
+    options = CollectorOptions(num_envs=3, workers=3, backend="ray")
     with pytest.raises(ValueError, match="needs 3 CPUs of the Ray cluster, which has 2"):
-        ppo.make_collector(make_policy(), config, EXECUTED, 9, seed=0)
+        make_collector(make_policy(), pusher_envs(), options, frames_per_batch=9, seed=0)

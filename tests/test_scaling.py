@@ -22,7 +22,6 @@ before any work. The Ray collector has its own file, ``tests/test_ray.py``.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,13 +30,19 @@ from torchrl.collectors import MultiSyncCollector
 from torchrl.envs.utils import ExplorationType
 from torchrl.weight_update import MultiProcessWeightSyncScheme
 
-from torchrl_flowpolicy import FlowSDEPolicy
+from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions, collectors
+from torchrl_flowpolicy.collectors import (
+    CollectorOptions,
+    first_reset_seed,
+    make_collector,
+    seed_batch,
+)
 from torchrl_flowpolicy.envs import make_pusher_env
+from torchrl_flowpolicy.models import ModelConfig, build_policy
 from torchrl_flowpolicy.networks import MLPVelocityNetwork, ObservationNormalizer
 from torchrl_flowpolicy.protocol import training_seed
 
 CHUNK_LENGTH, ACTION_DIM, EXECUTED = 4, 7, 2
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def make_policy() -> FlowSDEPolicy:
@@ -121,24 +126,27 @@ def test_workers_given_the_policy_share_its_memory_on_cpu():
 
 # ----------------------------------------------------------------------------- the PPO example
 @pytest.fixture
-def ppo(monkeypatch):
-    """``examples/ppo.py`` (the examples import each other as the scripts do)."""
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import ppo
-
-    return ppo
+def ppo(example):
+    """``examples/ppo.py``, loaded from its path."""
+    return example("ppo")
 
 
 def example_policy() -> FlowSDEPolicy:
     """A small policy of the examples' architecture (its critic copies the normaliser)."""
-    from common import ModelConfig, build_policy
-
     torch.manual_seed(0)
     model_config = ModelConfig(
         chunk_length=CHUNK_LENGTH, executed_chunk_length=EXECUTED, model_dim=16, num_layers=1
     )
     normalizer = ObservationNormalizer(torch.zeros(23), torch.ones(23))
-    return build_policy(model_config, normalizer, num_steps=4, sde_mode="all")
+    sampler = SamplerOptions(num_denoising_steps=4, sde_mode="all")
+    return build_policy(model_config, normalizer, sampler)
+
+
+def example_collector(ppo, config, policy, frames: int, seed: int, device="cpu"):
+    """The collector ``examples/ppo.py`` builds for ``config``, and its options."""
+    make_env, options = ppo.training_envs(config, EXECUTED), ppo.collector_options(config, device)
+    collector = make_collector(policy, make_env, options, frames_per_batch=frames, seed=seed)
+    return collector, options
 
 
 def leaf_devices(tensordict) -> set[torch.device]:
@@ -168,10 +176,12 @@ def test_ppo_device_cuda_without_a_gpu_says_so(ppo):
 def test_ppo_refuses_what_the_collectors_cannot_do(ppo, monkeypatch):
     with pytest.raises(ValueError, match="multiple of --collector_workers"):
         ppo.check_config(ppo.PPOConfig(num_envs=5, collector_workers=2), world_size=1)
+    with pytest.raises(ValueError, match="multiple of workers=2"):  # the package's own check
+        CollectorOptions(num_envs=5, workers=2)
     ray_config = ppo.PPOConfig(collector_backend="ray")
     with pytest.raises(ValueError, match="under torchrun"):
         ppo.check_config(ray_config, world_size=2)
-    monkeypatch.setattr(ppo.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(collectors.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match=r"torchrl_flowpolicy\[ray\]"):
         ppo.check_config(ray_config, world_size=1)
 
@@ -182,7 +192,7 @@ def test_ppo_collector_buffer_and_loss_on_the_configured_device(ppo):
     device = ppo.check_config(ppo.PPOConfig(), world_size=1)
     config = ppo.PPOConfig(num_envs=2, max_episode_steps=6, minibatch_size=3)
     policy = example_policy().to(device)
-    collector = ppo.make_collector(policy, config, EXECUTED, 6, seed=0, device=device)
+    collector, _ = example_collector(ppo, config, policy, 6, seed=0, device=device)
     try:
         assert collector.policy_device == device and collector.storing_device == device
         assert collector.env_device == torch.device("cpu")
@@ -207,7 +217,8 @@ def test_ppo_worker_processes_follow_the_learner_weights_the_example_sends(ppo):
     torch.set_num_threads(1)
     config = ppo.PPOConfig(num_envs=4, collector_workers=2, max_episode_steps=6, threads=1)
     policy = example_policy()
-    collector = ppo.make_collector(policy, config, EXECUTED, 12, seed=0, device="cpu")
+    collector, _ = example_collector(ppo, config, policy, 12, seed=0)
+    assert isinstance(collector, MultiSyncCollector)
     weights = TensorDict.from_module(policy)
     drifts = []
     try:
@@ -226,7 +237,7 @@ def test_ppo_worker_processes_follow_the_learner_weights_the_example_sends(ppo):
 def seeded_initial_observations(ppo, config, seed: int) -> torch.Tensor:
     """The first observations of one process's ``num_envs`` environments reset with
     ``seed + i``."""
-    env = ppo.seeded_env(config, config.num_envs, EXECUTED, seed)
+    env = ppo.training_envs(config, EXECUTED)(config.num_envs, seed)
     try:
         return env.reset()["observation"]
     finally:
@@ -235,21 +246,21 @@ def seeded_initial_observations(ppo, config, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_ppo_batches_start_from_the_states_that_their_iteration_seeds(ppo, workers):
-    # examples/ppo.py: every batch starts from fresh resets of all environments, seeded by
-    # seed_batch with the iteration's training_seed (over all workers' environments), so
-    # that a collector built for a resumed run starts where the uninterrupted one does.
+    # Every batch starts from fresh resets of all environments, seeded by seed_batch with
+    # the iteration's training_seed (over all workers' environments), so that a collector
+    # built for a resumed run starts where the uninterrupted one does.
     torch.set_num_threads(1)
     config = ppo.PPOConfig(num_envs=4, collector_workers=workers, max_episode_steps=6, threads=1)
     policy = example_policy()
     first_observations = {}
     # A run from the start, and one resumed after iteration 2 (worker processes: only that).
     for first_iteration in (1, 3) if workers == 1 else (3,):
-        seed = ppo.first_reset_seed(config, first_iteration)
-        collector = ppo.make_collector(policy, config, EXECUTED, 12, seed=seed, device="cpu")
+        seed = first_reset_seed(config.seed, first_iteration, config.num_envs)
+        collector, options = example_collector(ppo, config, policy, 12, seed=seed)
         try:
             batches = iter(collector)
             for iteration in range(first_iteration, 5):
-                ppo.seed_batch(collector, config, ppo.first_reset_seed(config, iteration))
+                seed_batch(collector, options, first_reset_seed(config.seed, iteration, 4))
                 batch = next(batches)
                 assert batch.batch_size == (4, 3)  # one 6-step episode of 2-step chunks
                 observations = batch["observation"][:, 0]
@@ -265,10 +276,9 @@ def test_ppo_batches_start_from_the_states_that_their_iteration_seeds(ppo, worke
 
 
 @pytest.mark.parametrize("script", ["ppo", "dsrl"])
-def test_examples_refuse_an_unavailable_device_before_any_work(script, tmp_path, monkeypatch):
+def test_examples_refuse_an_unavailable_device_before_any_work(script, tmp_path, example):
     # Before the pretraining, the environments or the output folder: nothing is made.
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    module = __import__(script)
+    module = example(script)
     output = tmp_path / "run"
     config = module.parse_args(
         ["--device", "cuda:99", "--output_dir", str(output), "--pretrained_checkpoint", "none.pt"]
@@ -280,10 +290,8 @@ def test_examples_refuse_an_unavailable_device_before_any_work(script, tmp_path,
     assert not output.exists()
 
 
-def test_dsrl_replay_buffer_and_networks_on_the_policy_device(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import dsrl
-
+def test_dsrl_replay_buffer_and_networks_on_the_policy_device(example):
+    dsrl = example("dsrl")
     config = dsrl.parse_args(["--quick"])
     device = torch.device("cpu")
     policy = example_policy().to(device)

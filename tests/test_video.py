@@ -186,17 +186,13 @@ def test_lift_recording_matches_evaluation(offscreen_rendering, tmp_path):
 
 @pytest.mark.slow
 def test_evaluate_example_writes_one_video_per_checkpoint_and_scale(offscreen_rendering, tmp_path):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from common import ModelConfig, build_policy, save_policy
+    from torchrl_flowpolicy.models import ModelConfig, build_policy, save_policy
 
-        torch.manual_seed(0)
-        model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
-        size = model_config.observation_dim
-        normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
-        save_policy(tmp_path / "policy.pt", build_policy(model_config, normalizer), model_config)
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    torch.manual_seed(0)
+    model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
+    size = model_config.observation_dim
+    normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
+    save_policy(tmp_path / "policy.pt", build_policy(model_config, normalizer), model_config)
     output = tmp_path / "evaluation.json"
     command = [
         sys.executable,
