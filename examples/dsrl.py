@@ -1,41 +1,29 @@
-"""DSRL on Pusher-v5: stock TorchRL SAC in the initial-noise space of a frozen flow policy.
+"""DSRL: stock TorchRL SAC in the initial-noise space of a frozen flow policy (Pusher-v5;
+robosuite Lift and Can with ``--task``).
 
-Pipeline: the pretrained flow policy (made by ``examples/pretrain.py`` if its checkpoint is
-missing) is frozen; :class:`~torchrl_flowpolicy.dsrl.NoiseActionTransform` appended to the
-chunked Pusher-v5 environment makes the action the policy's initial noise
-``x_0 in [-m, m]^(H x D)`` and executes the chunk that the policy's deterministic ODE
-(K = 20) decodes from it; TorchRL's ``SACLoss`` (two critics, automatic temperature) trains
-a tanh-Gaussian noise actor on it; the deterministic evaluation decodes the actor's mean
-noise on the learning-curve seeds of ``examples/ppo.py`` and compares it with the
-pretrained policy's own ODE from random noise (BC) and from ``x_0 = 0`` (noise-free BC) and
-with the clean scripted expert -> the evaluation protocol on held-out seeds (BC and DSRL
-under both decodings, the expert, 95 % intervals; see ``torchrl_flowpolicy.protocol``; DSRL's
-decodings: its actor's sampled noise, ``"sampled"``, and its mean noise, ``"noise_free"``)
--> learning-curve PNG and JSON summary.
+Top to bottom: config -> the frozen pretrained policy (``examples/pretrain.py`` runs first
+when its checkpoint is missing) and its baselines on the learning-curve seeds (BC under both
+decodings, the expert) -> the noise environments
+(:class:`~torchrl_flowpolicy.dsrl.NoiseActionTransform`: the action is the policy's initial
+noise ``x_0 in [-m, m]^(H x D)``, the env executes the chunk the deterministic ODE decodes
+from it) -> SAC (a tanh-Gaussian noise actor, two critics, automatic temperature;
+``torchrl_flowpolicy.dsrl_networks``), the replay buffer -> the loop (collect, ``utd_ratio``
+updates per decision, log, evaluate the actor's mean noise, checkpoint) -> the held-out
+protocol (BC and DSRL under both decodings: the actor's sampled noise and its mean noise)
+-> plot and ``summary.json``.
 
-The defaults are tuned to this policy, whose good chunks lie near ``x_0 = 0``: a small box
-(m = 0.3 instead of DSRL's 1.5), the actor's mean starting at ``x_0 = 0``, critics trained
-alone for the first updates; ``docs/dsrl.md`` shows the runs behind each choice.
-
-``main`` reads top to bottom: seed, frozen pretrained policy, baselines (BC under both
-decodings, the expert), noise envs, SAC learner (noise actor, critics, loss, optimisers),
-replay buffer, resume, collector, training loop (collect, ``utd_ratio`` updates per decision,
-log, evaluate, checkpoint), final evaluation, held-out protocol, plot, summary. ``python examples/dsrl.py --help`` lists every option;
-``--quick`` runs the whole chain in under a minute; ``--resume`` continues a killed run
-(replay buffer and random generators included). A resumed run is not bit-identical to an
-uninterrupted one: the episodes in progress at the checkpoint are lost, and its
-environments start anew from other reset seeds (``examples/ppo.py``, whose every batch
-starts from fresh resets, resumes exactly). ``--device cuda`` puts the frozen policy, the
-SAC networks, the loss, the environments' tensors and the replay buffer on the GPU; the
-simulators stay on the CPU.
+The defaults suit this policy, whose good chunks lie near ``x_0 = 0``: a small box (m = 0.3,
+not DSRL's 1.5), the actor's mean starting at ``x_0 = 0``, critics trained alone first
+(docs/dsrl.md). ``--resume`` continues a killed run, replay buffer and random generators
+included; unlike ``examples/ppo.py`` it is not bit-identical (the episodes in progress at
+the checkpoint are lost). ``--device cuda`` puts the policies, SAC, the env tensors and the
+replay buffer on the GPU; the simulators stay on the CPU. ``--quick``: under a minute.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,138 +31,78 @@ from typing import Any, Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import TensorDictModule
-from torch import Tensor, nn
 from torchrl.collectors import Collector
 from torchrl.data import Composite, LazyTensorStorage, RandomSampler, ReplayBuffer
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType
-from torchrl.modules import (
-    MLP,
-    NormalParamExtractor,
-    ProbabilisticActor,
-    TanhNormal,
-    ValueOperator,
-)
+from torchrl.modules import ProbabilisticActor
 from torchrl.objectives import SACLoss, SoftUpdate
 from tqdm import tqdm
 
-from torchrl_flowpolicy import FlowSDEPolicy
-from torchrl_flowpolicy.collectors import env_steps as count_env_steps
-from torchrl_flowpolicy.collectors import make_task_env
+from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions, collectors, reports, runs
 from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform
+from torchrl_flowpolicy.dsrl_networks import (
+    make_noise_actor,
+    make_noise_critic,
+    target_entropy_per_dim,
+)
 from torchrl_flowpolicy.envs import decision_discount, get_task
 from torchrl_flowpolicy.evaluation import evaluate_policy
 from torchrl_flowpolicy.loggers import MetricLogger
 from torchrl_flowpolicy.models import ModelConfig, load_policy_checkpoint
 from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed
-from torchrl_flowpolicy.reports import (
-    curve_baselines,
-    decisions_per_episode,
-    held_out_protocol,
-    make_eval_env,
-    plot_learning_curve,
-    run_summary,
-    task_options,
-)
-from torchrl_flowpolicy.runs import (
-    load_run,
-    require_run_checkpoint,
-    resolve_device,
-    restore_random_state,
-    resume_run,
-    save_run,
-    seed_random_generators,
-    write_json,
-)
-from torchrl_flowpolicy.sampler import SamplerOptions
 
 import pretrain
 from common import TaskOptions, option, parse_config, task_defaults, validate_config
 
 
+# ----------------------------------------------------------------------------- config
 @dataclass
 class DSRLConfig(TaskOptions):
     """DSRL (SAC on the noise) settings; every field is a command-line option."""
 
-    seed: int = option(
-        0, "seeds torch, the environments and the pretraining when it runs", minimum=0
-    )
+    seed: int = option(0, "seeds torch, the environments and the pretraining", minimum=0)
     output_dir: str = option("outputs/dsrl", "checkpoints, logs, plot and summary")
     pretrained_checkpoint: str = option(
         "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
     )
     num_envs: int = option(16, "environments stepped in the collector's process", minimum=1)
-    decisions_per_batch: int = option(
-        2, "decisions per environment between two rounds of updates", minimum=1
-    )
+    decisions_per_batch: int = option(2, "decisions per env between update rounds", minimum=1)
     total_env_steps: int = option(300_000, "environment steps of fine-tuning", minimum=1)
-    random_env_steps: int = option(
-        5_000, "first env steps act with uniform noise (no updates before)", minimum=0
-    )
-    eval_num_steps: int = option(
-        20, "K of the decoding ODE (training, evaluation and BC)", minimum=1
-    )
+    random_env_steps: int = option(5_000, "first env steps with uniform noise", minimum=0)
+    eval_num_steps: int = option(20, "K of the decoding ODE (training, evaluation)", minimum=1)
     # DSRL noise space and SAC.
-    noise_bound: float = option(
-        0.3, "m: the noise action lies in [-m, m]^(H x D) (DSRL: 1.5)", above=0
-    )
-    utd_ratio: float = option(
-        0.25, "gradient updates per collected decision (DSRL goes up to 20)", above=0
-    )
+    noise_bound: float = option(0.3, "m: the noise lies in [-m, m]^(H x D) (DSRL: 1.5)", above=0)
+    utd_ratio: float = option(0.25, "gradient updates per collected decision", above=0)
     batch_size: int = option(256, "decisions per update", minimum=1)
-    buffer_size: int = option(
-        0, "replay capacity in decisions (0: every decision of the run)", minimum=0
-    )
+    buffer_size: int = option(0, "replay capacity in decisions (0: the whole run)", minimum=0)
     hidden_dim: int = option(256, "width of the actor's and critics' LayerNorm MLPs", minimum=1)
     num_layers: int = option(3, "hidden layers of the actor and of each critic", minimum=0)
     actor_learning_rate: float = option(1e-4, "Adam on the noise actor", above=0)
     critic_learning_rate: float = option(3e-4, "Adam on the two critics", above=0)
-    alpha_learning_rate: float = option(
-        3e-4, "Adam on log(alpha), the entropy temperature", above=0
-    )
-    alpha_init: float = option(
-        0.01, "initial entropy temperature (the noise has H * D = 56 dims)", above=0
-    )
+    alpha_learning_rate: float = option(3e-4, "Adam on log(alpha), the temperature", above=0)
+    alpha_init: float = option(0.01, "initial entropy temperature", above=0)
     zero_mean_init: bool = option(True, "start the actor's mean at x_0 = 0 (the noise-free chunk)")
-    critic_warmup_updates: int = option(
-        2_000, "first updates train the critics only (actor and alpha wait)", minimum=0
-    )
+    critic_warmup_updates: int = option(2_000, "first updates train the critics only", minimum=0)
     target_entropy_per_dim: float = option(
-        float("nan"),
-        "SAC target entropy per noise dimension; nan: log(m) - 1, SAC's -1 of the box "
-        "[-1, 1] carried to [-m, m] (must stay below log(2m), the uniform noise's entropy)",
+        float("nan"), "SAC target entropy per noise dimension (nan: log(m) - 1; < log(2m))"
     )
-    gamma: float = option(
-        0.99, "discount per env step; per decision: gamma ** executed rows", minimum=0, maximum=1
-    )
+    gamma: float = option(0.99, "discount per env step", minimum=0, maximum=1)
     tau: float = option(0.005, "Polyak rate of the target critics", above=0, maximum=1)
-    reward_scale: float = option(
-        10.0, "multiplies the summed chunk reward (about 0.1 per decision)", above=0
-    )
+    reward_scale: float = option(10.0, "multiplies the summed chunk reward", above=0)
     # Evaluation, logging, checkpoints.
-    eval_every_env_steps: int = option(
-        20_000, "env steps between deterministic evaluations", minimum=1
-    )
-    eval_episodes: int = option(
-        50, "learning-curve episodes (curve seeds 10000+, as BC's)", minimum=1
-    )
-    held_out_episodes: int = option(
-        200, "final protocol episodes (held-out seeds 30000+: used by nothing else)", minimum=1
-    )
+    eval_every_env_steps: int = option(20_000, "env steps between evaluations", minimum=1)
+    eval_episodes: int = option(50, "learning-curve episodes (curve seeds 10000+)", minimum=1)
+    held_out_episodes: int = option(200, "final protocol episodes (seeds 30000+)", minimum=1)
     reported_decoding: Literal["sampled", "noise_free"] = option(
-        "noise_free",
-        "DSRL's decoding reported on the held-out states: the actor's mean noise (noise_free, "
-        "DSRL's deterministic policy) or sampled noise; fixed before looking at held-out numbers",
+        "noise_free", "DSRL's decoding reported on the held-out states (noise_free: mean noise)"
     )
     log_every_env_steps: int = option(2_000, "env steps between logged training metrics", minimum=1)
     checkpoint_every_env_steps: int = option(20_000, "env steps between checkpoints", minimum=1)
     loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
     resume: bool = option(False, "continue from output_dir/checkpoint.pt")
-    threads: int = option(1, "torch CPU threads (1 is fastest for these small networks)", minimum=1)
-    device: str = option(
-        "cpu", "torch device of the policies, SAC networks, loss, env tensors and replay buffer"
-    )
+    threads: int = option(1, "torch CPU threads", minimum=1)
+    device: str = option("cpu", "torch device of the policies, SAC, env tensors and buffer")
     pretrain: pretrain.PretrainConfig = option(
         default_factory=pretrain.PretrainConfig,
         help="behaviour cloning, run when pretrained_checkpoint is missing (with this run's "
@@ -184,24 +112,14 @@ class DSRLConfig(TaskOptions):
 
 # What --quick changes: the whole chain in under a minute.
 QUICK = {
-    "num_envs": 4,
-    "total_env_steps": 4 * 150 * 2,
-    "random_env_steps": 4 * 150 // 2,
-    "utd_ratio": 1.0,
-    "critic_warmup_updates": 50,
-    "batch_size": 64,
-    "hidden_dim": 64,
-    "eval_every_env_steps": 600,
-    "log_every_env_steps": 300,
-    "checkpoint_every_env_steps": 600,
-    "eval_episodes": 8,
-    "held_out_episodes": 8,
-    "pretrain.train_steps": 150,
+    "num_envs": 4, "total_env_steps": 4 * 150 * 2, "random_env_steps": 4 * 150 // 2,
+    "utd_ratio": 1.0, "critic_warmup_updates": 50, "batch_size": 64, "hidden_dim": 64,
+    "eval_every_env_steps": 600, "log_every_env_steps": 300, "checkpoint_every_env_steps": 600,
+    "eval_episodes": 8, "held_out_episodes": 8, "pretrain.train_steps": 150,
     "pretrain.eval_episodes": 8,
-}
+}  # fmt: skip
 
-
-# What --task lift changes (robosuite Lift), with the pretraining's own task defaults.
+# What --task lift / can change: the pretraining's own task defaults.
 RUN_DEFAULTS: dict[str, dict[str, Any]] = {
     task: {f"pretrain.{name}": value for name, value in values.items()}
     for task, values in pretrain.DEMO_DEFAULTS.items()
@@ -211,114 +129,28 @@ RUN_DEFAULTS: dict[str, dict[str, Any]] = {
 def parse_args(argv: list[str] | None = None) -> DSRLConfig:
     """The command line (``--help``) as a :class:`DSRLConfig`."""
     exclude = [f"pretrain.{name}" for name in (*pretrain.RUN_SETTINGS, *pretrain.EXCLUDE)]
+    defaults = task_defaults(RUN_DEFAULTS)
     return parse_config(
-        DSRLConfig,
-        argv,
-        description=__doc__,
-        quick=QUICK,
-        task_defaults=task_defaults(RUN_DEFAULTS),
-        exclude=exclude,
+        DSRLConfig, argv, description=__doc__, quick=QUICK, task_defaults=defaults, exclude=exclude
     )
 
 
-def target_entropy_per_dim(config: DSRLConfig) -> float:
-    """The SAC target entropy per noise dimension (see ``DSRLConfig.target_entropy_per_dim``)."""
-    target = config.target_entropy_per_dim
-    if math.isnan(target):
-        target = math.log(config.noise_bound) - 1.0
-    if target >= math.log(2 * config.noise_bound):
-        raise ValueError(
-            f"target_entropy_per_dim={target} is not below log(2 m) = "
-            f"{math.log(2 * config.noise_bound):.3f}, the entropy of the uniform noise over "
-            f"[-m, m] (m = noise_bound = {config.noise_bound}): the temperature would grow "
-            "without bound. Leave it at nan (log(m) - 1) or lower it."
-        )
-    return target
-
-
-def layer_norm_mlp(in_features: int, out_features: int, config: DSRLConfig) -> MLP:
-    """``num_layers`` hidden layers of ``hidden_dim`` units, each Linear -> LayerNorm -> ReLU."""
-    return MLP(
-        in_features=in_features,
-        out_features=out_features,
-        num_cells=[config.hidden_dim] * config.num_layers,
-        norm_class=nn.LayerNorm,
-        norm_kwargs={"normalized_shape": config.hidden_dim},
-        activation_class=nn.ReLU,
-    )
-
-
-def make_actor(
-    policy: FlowSDEPolicy, noise_spec: Composite, config: DSRLConfig
-) -> ProbabilisticActor:
-    """Tanh-Gaussian over the noise box ``[-m, m]^(H x D)``, conditioned on the observation,
-    on the policy's device."""
-    chunk_length, action_dim = policy.action_shape
-    network = nn.Sequential(
-        copy.deepcopy(policy.encoder[0]),  # the pretrained policy's observation normaliser
-        layer_norm_mlp(policy.encoder[0].loc.numel(), 2 * chunk_length * action_dim, config),
-        nn.Unflatten(-1, (chunk_length, 2 * action_dim)),
-        NormalParamExtractor(),  # [.., H, 2D] -> loc [.., H, D], scale [.., H, D]
-    )
-    if config.zero_mean_init:
-        # The output layer's loc half of every row -> 0: the actor's mean noise starts at 0.
-        output_layer = [module for module in network.modules() if isinstance(module, nn.Linear)][-1]
-        is_loc = (torch.arange(output_layer.out_features) % (2 * action_dim)) < action_dim
-        with torch.no_grad():
-            output_layer.weight[is_loc] = 0.0
-            output_layer.bias[is_loc] = 0.0
-    network.to(policy.encoder[0].loc.device)
-    return ProbabilisticActor(
-        TensorDictModule(network, in_keys=["observation"], out_keys=["loc", "scale"]),
-        in_keys=["loc", "scale"],
-        spec=noise_spec,
-        distribution_class=TanhNormal,
-        distribution_kwargs={
-            "low": -config.noise_bound,
-            "high": config.noise_bound,
-            "event_dims": 2,  # one log-probability per [H, D] noise
-        },
-    )
-
-
-class NoiseQNetwork(nn.Module):
-    """``Q(observation, noise)``: a LayerNorm MLP on the normalised observation and the noise."""
-
-    def __init__(self, normalizer: nn.Module, noise_numel: int, config: DSRLConfig):
-        super().__init__()
-        self.normalizer = normalizer
-        self.mlp = layer_norm_mlp(normalizer.loc.numel() + noise_numel, 1, config)
-
-    def forward(self, observation: Tensor, noise: Tensor) -> Tensor:
-        features = torch.cat([self.normalizer(observation), noise.flatten(-2)], dim=-1)
-        return self.mlp(features)
-
-
-def make_critic(policy: FlowSDEPolicy, config: DSRLConfig) -> ValueOperator:
-    """One critic ``Q(observation, noise)`` on the policy's device; ``SACLoss`` makes two with
-    separate weights."""
-    network = NoiseQNetwork(copy.deepcopy(policy.encoder[0]), policy.action_shape.numel(), config)
-    network.to(policy.encoder[0].loc.device)
-    return ValueOperator(network, in_keys=["observation", "action"])
-
-
+# ----------------------------------------------------------------------------- env
 def make_noise_env(
     policy: FlowSDEPolicy, config: DSRLConfig, num_envs: int, executed_chunk_length: int
 ) -> EnvBase:
     """``num_envs`` chunked task envs whose action is the frozen policy's noise (counting
     env steps), their tensors on the policy's device (the simulators run on the CPU)."""
     device = policy.encoder[0].loc.device
-    env = make_task_env(
-        config.task,
-        num_envs,
-        executed_chunk_length,
-        task_options=task_options(config),
-        count_steps=True,
+    options = reports.task_options(config)
+    env = collectors.make_task_env(
+        config.task, num_envs, executed_chunk_length, task_options=options, count_steps=True,
         device=device,
-    )
+    )  # fmt: skip
     return env.append_transform(NoiseActionTransform(policy, noise_bound=config.noise_bound))
 
 
+# ----------------------------------------------------------------------------- actor, critics, SAC
 @dataclass
 class Learner:
     """SAC on the noise: the loss (actor, two critics, temperature), its target updates and
@@ -346,17 +178,17 @@ def make_learner(
     policy: FlowSDEPolicy, noise_spec: Composite, config: DSRLConfig, executed_chunk_length: int
 ) -> tuple[ProbabilisticActor, Learner]:
     """The noise actor and its SAC learner (automatic temperature, decision discount)."""
-    actor = make_actor(policy, noise_spec, config)
-    critic = make_critic(policy, config)
+    sizes = {"hidden_dim": config.hidden_dim, "num_layers": config.num_layers}
+    actor = make_noise_actor(
+        policy, noise_spec, noise_bound=config.noise_bound, zero_mean_init=config.zero_mean_init,
+        **sizes,
+    )  # fmt: skip
+    critic = make_noise_critic(policy, **sizes)
+    target = target_entropy_per_dim(config.noise_bound, config.target_entropy_per_dim)
     loss_module = SACLoss(
-        actor,
-        critic,
-        num_qvalue_nets=2,
-        loss_function="l2",
-        alpha_init=config.alpha_init,
-        action_spec=noise_spec,
-        target_entropy=target_entropy_per_dim(config) * policy.action_shape.numel(),
-    )
+        actor, critic, num_qvalue_nets=2, loss_function="l2", alpha_init=config.alpha_init,
+        action_spec=noise_spec, target_entropy=target * policy.action_shape.numel(),
+    )  # fmt: skip
     loss_module.make_value_estimator(gamma=decision_discount(config.gamma, executed_chunk_length))
     target_updater = SoftUpdate(loss_module, tau=config.tau)
     actor_optimizer = torch.optim.Adam(
@@ -366,12 +198,11 @@ def make_learner(
         loss_module.qvalue_network_params.values(True, True), lr=config.critic_learning_rate
     )
     alpha_optimizer = torch.optim.Adam([loss_module.log_alpha], lr=config.alpha_learning_rate)
-    learner = Learner(
-        loss_module, target_updater, actor_optimizer, critic_optimizer, alpha_optimizer
-    )
-    return actor, learner
+    optimizers = (actor_optimizer, critic_optimizer, alpha_optimizer)
+    return actor, Learner(loss_module, target_updater, *optimizers)
 
 
+# ----------------------------------------------------------------------------- the updates
 @dataclass
 class Progress:
     """The counters and evaluation history of a run (saved in its checkpoint)."""
@@ -422,7 +253,7 @@ def dsrl_iteration(
     ``run.update_credit``), once the buffer holds the uniform-noise warm-up.
     """
     done = batch["next", "done"].squeeze(-1)
-    new_env_steps = count_env_steps(batch)
+    new_env_steps = collectors.env_steps(batch)
     run.iteration += 1
     run.env_steps += new_env_steps
     window.env_steps += new_env_steps
@@ -477,33 +308,26 @@ def sac_update(
         window.add(name, losses[name].item())
 
 
-@dataclass
-class Evaluator:
+def evaluate_actor(
+    actor: ProbabilisticActor,
+    env: EnvBase,
+    max_decisions: int,
+    episodes: int,
+    run: Progress,
+    wall_seconds: float,
+) -> dict[str, float]:
     """Deterministic evaluation of the noise actor (its mean noise, decoded by the frozen
-    ODE) on the fixed seeds: a row of the run's history, logged."""
-
-    actor: ProbabilisticActor
-    env: EnvBase
-    max_decisions: int
-    seed: int
-    num_episodes: int
-    log: Any
-
-    def __call__(self, run: Progress, wall_seconds: float) -> dict[str, float]:
-        evaluation = evaluate_policy(
-            self.actor,
-            self.env,
-            max_decisions=self.max_decisions,
-            seed=self.seed,
-            num_episodes=self.num_episodes,
-        )
-        row = {"env_steps": run.env_steps, "iteration": run.iteration, "updates": run.updates}
-        run.history.append({**row, "wall_seconds": wall_seconds, **evaluation})
-        metrics = {f"eval/{name}": evaluation[name] for name in ("success_rate", "mean_return")}
-        self.log(metrics, run.env_steps)
-        return evaluation
+    ODE) on ``episodes`` curve seeds, appended to the run's history (with the training wall
+    time) and returned."""
+    evaluation = evaluate_policy(
+        actor, env, max_decisions=max_decisions, seed=CURVE_SEED, num_episodes=episodes
+    )
+    row = {"env_steps": run.env_steps, "iteration": run.iteration, "updates": run.updates}
+    run.history.append({**row, "wall_seconds": wall_seconds, **evaluation})
+    return evaluation
 
 
+# ----------------------------------------------------------------------------- collector, checkpoints
 def make_collector(
     actor: ProbabilisticActor,
     train_env: EnvBase,
@@ -546,7 +370,7 @@ def save_dsrl_run(
 ) -> None:
     """The run checkpoint ``--resume`` reads: learner, stored decisions, counters and the
     run's :func:`run_identity` (task, pretrained architecture, SAC networks)."""
-    save_run(
+    runs.save_run(
         path,
         learner.trained(),
         # The stored decisions only (not the empty capacity), as plain tensors.
@@ -570,10 +394,10 @@ def run_identity(config: DSRLConfig, model_config: ModelConfig) -> dict[str, Any
 def resume_dsrl_run(
     saved: dict[str, Any], learner: Learner, replay_buffer: ReplayBuffer
 ) -> tuple[Progress, dict[str, Any]]:
-    """Load a :func:`save_dsrl_run` checkpoint, as :func:`common.load_run` returned it, into
+    """Load a :func:`save_dsrl_run` checkpoint, as ``runs.load_run`` returned it, into
     ``learner`` and ``replay_buffer``; returns the counters and the random generators' state
-    (for :func:`common.restore_random_state`)."""
-    saved = resume_run(saved, learner.trained())
+    (for ``runs.restore_random_state``)."""
+    saved = runs.resume_run(saved, learner.trained())
     stored, length = saved.pop("replay_buffer"), saved.pop("buffer_length")
     replay_buffer.extend(TensorDict(stored, batch_size=[length]))
     for name in ("task", "model_config", "networks"):
@@ -603,74 +427,47 @@ def next_multiple(value: int, every: int) -> int:
     return (value // every + 1) * every
 
 
-def write_summary(
-    config: DSRLConfig,
-    baselines: dict[str, dict[str, float]],
-    run: Progress,
-    held_out: dict[str, Any],
-    pretrained_state: dict[str, Any],
-    start: float,
-) -> dict[str, Any]:
-    """``summary.json`` (:func:`~torchrl_flowpolicy.reports.run_summary`) with the counters
-    and wall times of a DSRL run."""
-    summary = run_summary(
-        config,
-        baselines,
-        run.history,
-        held_out,
-        pretrained_state,
-        bc_noise_free_return=baselines["BC (noise-free)"]["mean_return"],
-        env_steps=run.env_steps,
-        iterations=run.iteration,
-        updates=run.updates,
-        training_wall_seconds=run.wall_seconds,
-        wall_seconds=time.perf_counter() - start,
-    )
-    write_json(Path(config.output_dir) / "summary.json", summary)
-    return summary
-
-
+# ----------------------------------------------------------------------------- main
 def main(config: DSRLConfig) -> dict:
-    validate_config(config)  # a number out of bounds fails here, before any work
-    device = resolve_device(config.device)  # an unavailable device fails here, not later
-    run_checkpoint = Path(config.output_dir) / "checkpoint.pt"
+    # Config: checked before any work; seeds, threads, the output folder.
+    validate_config(config)  # a number out of bounds fails here
+    device = runs.resolve_device(config.device)  # an unavailable device fails here
+    checkpoint = Path(config.output_dir) / "checkpoint.pt"
     if config.resume:
-        require_run_checkpoint(run_checkpoint)
-    seed_random_generators(config.seed)
+        runs.require_run_checkpoint(checkpoint)
+    runs.seed_random_generators(config.seed)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    # Pretrained policy (behaviour cloning), made first when missing; frozen from here on.
+    # The pretrained policy (made first when missing), frozen from here on; the --resume
+    # checkpoint is refused now if it is another run's.
     pretrained = Path(config.pretrained_checkpoint)
     if not pretrained.is_file():
         pretrain.main(pretrain.config_for_run(config))
+    sampler = SamplerOptions(eval_num_denoising_steps=config.eval_num_steps)
     policy, model_config, _, pretrained_state = load_policy_checkpoint(
-        pretrained,
-        sampler=SamplerOptions(eval_num_denoising_steps=config.eval_num_steps),
-        task=config.task,
+        pretrained, sampler=sampler, task=config.task
     )
     policy.to(device)
-    # --resume: the run checkpoint, refused now if corrupt or of another task or architecture.
     identity = run_identity(config, model_config)
-    saved = load_run(run_checkpoint, identity) if config.resume else None
+    saved = runs.load_run(checkpoint, identity) if config.resume else None
     executed = model_config.executed_chunk_length
-    max_decisions = decisions_per_episode(config.max_episode_steps, executed)
+    max_decisions = reports.decisions_per_episode(config.max_episode_steps, executed)
 
     # Baselines on the curve seeds (BC under both decodings, the expert); the noise envs.
-    bc_env = make_eval_env(config, config.eval_episodes, executed, device)
-    baselines = curve_baselines(policy, bc_env, max_decisions, config)
+    bc_env = reports.make_eval_env(config, config.eval_episodes, executed, device)
+    baselines = reports.curve_baselines(policy, bc_env, max_decisions, config)
     bc_env.close()
     task = get_task(config.task)
     eval_env = make_noise_env(policy, config, task.eval_envs(config.eval_episodes), executed)
     train_env = make_noise_env(policy, config, config.num_envs, executed)
 
-    # Noise actor and SAC learner; a replay buffer that by default holds the whole run.
+    # Noise actor and SAC learner; a replay buffer that by default holds the whole run;
+    # resumed (networks, optimisers, buffer, counters, history) if asked.
     actor, learner = make_learner(policy, train_env.full_action_spec_unbatched, config, executed)
     replay_buffer = make_replay_buffer(config, executed, device)
-
-    # Resume: networks, optimisers, buffer, counters and history.
     run, random_state = Progress(), None
     if saved is not None:
         run, random_state = resume_dsrl_run(saved, learner, replay_buffer)
@@ -678,27 +475,36 @@ def main(config: DSRLConfig) -> dict:
         print(f"resumed from iteration {run.iteration} ({run.env_steps} env steps)")
 
     # Collector, logger (a resumed run's CSV files lose the rows logged after its
-    # checkpoint, which it logs again), evaluation; the random streams where the checkpoint
-    # left them.
+    # checkpoint, which it logs again); the random streams where the checkpoint left them.
     collector = make_collector(actor, train_env, config, executed, len(replay_buffer), run)
-    experiment, resume_step = (
-        f"dsrl_seed{config.seed}",
-        run.env_steps if random_state is not None else None,
-    )
-    log = MetricLogger(config.loggers, experiment, output_dir, config, resume_step).log
-    evaluate = Evaluator(actor, eval_env, max_decisions, CURVE_SEED, config.eval_episodes, log)
-    if random_state is not None:
-        restore_random_state(random_state)
+    resume_step = run.env_steps if random_state is not None else None
+    log = MetricLogger(
+        config.loggers, f"dsrl_seed{config.seed}", output_dir, config, resume_step
+    ).log
 
-    # Training loop (after evaluating the actor's starting point).
-    training_start = time.perf_counter() - run.wall_seconds  # a resumed run goes on counting
+    def evaluate() -> dict[str, float]:
+        wall_seconds = time.perf_counter() - training_start
+        episodes = config.eval_episodes
+        evaluation = evaluate_actor(actor, eval_env, max_decisions, episodes, run, wall_seconds)
+        log(
+            {f"eval/{name}": evaluation[name] for name in ("success_rate", "mean_return")},
+            run.env_steps,
+        )
+        return evaluation
+
+    if random_state is not None:
+        runs.restore_random_state(random_state)
+
+    # Loop (after evaluating the actor's starting point): collect, update, log, evaluate,
+    # checkpoint; a resumed run's training clock goes on from its checkpoint's.
+    training_start = time.perf_counter() - run.wall_seconds
     next_eval = next_multiple(run.env_steps, config.eval_every_env_steps)
     next_log = next_multiple(run.env_steps, config.log_every_env_steps)
     next_checkpoint = next_multiple(run.env_steps, config.checkpoint_every_env_steps)
     window = LogWindow()
-    progress = tqdm(total=config.total_env_steps, initial=run.env_steps, desc="DSRL env steps")
+    bar = tqdm(total=config.total_env_steps, initial=run.env_steps, desc="DSRL env steps")
     if not run.history:
-        evaluate(run, time.perf_counter() - training_start)
+        evaluate()
     collect_start = time.perf_counter()
     for batch in collector:
         window.collect_seconds += time.perf_counter() - collect_start
@@ -710,41 +516,42 @@ def main(config: DSRLConfig) -> dict:
             window = LogWindow()
         if run.env_steps >= next_eval:
             next_eval += config.eval_every_env_steps
-            evaluation = evaluate(run, time.perf_counter() - training_start)
-            progress.set_postfix(success=f"{evaluation['success_rate']:.0%}")
+            bar.set_postfix(success=f"{evaluate()['success_rate']:.0%}")
         if run.env_steps >= next_checkpoint:
             next_checkpoint += config.checkpoint_every_env_steps
             run.wall_seconds = time.perf_counter() - training_start
-            save_dsrl_run(run_checkpoint, learner, replay_buffer, run, identity)
-        progress.update(run.env_steps - env_steps_before)
+            save_dsrl_run(checkpoint, learner, replay_buffer, run, identity)
+        bar.update(run.env_steps - env_steps_before)
         collect_start = time.perf_counter()
-    progress.close()
+    bar.close()
     collector.shutdown()
 
-    # Final evaluation, checkpoint, held-out protocol (BC and DSRL under both decodings, the
-    # expert), plot and summary.
+    # Evaluation: the final level, the checkpoint, the held-out protocol (BC and DSRL under
+    # both decodings, the expert), plot and summary.
     if not run.history or run.history[-1]["env_steps"] != run.env_steps:
-        evaluate(run, time.perf_counter() - training_start)
+        evaluate()
     run.wall_seconds = time.perf_counter() - training_start
-    save_dsrl_run(run_checkpoint, learner, replay_buffer, run, identity)
+    save_dsrl_run(checkpoint, learner, replay_buffer, run, identity)
     eval_env.close()
     held_out_env = make_noise_env(
         policy, config, task.eval_envs(config.held_out_episodes), executed
     )
-    held_out = held_out_protocol(
+    held_out = reports.held_out_protocol(
         policy, actor, config, executed, held_out_env, name="DSRL", device=device
     )
     held_out_env.close()
-    title = f"{get_task(config.task).title} DSRL: deterministic evaluation (mean noise, ODE K = 20)"
-    plot_learning_curve(
-        run.history,
-        baselines,
-        output_dir / "learning_curve.png",
-        title=title,
-        label="DSRL (mean noise)",
-        wall_time=True,
+    title = f"{task.title} DSRL: deterministic evaluation (mean noise, ODE K = 20)"
+    curve = output_dir / "learning_curve.png"
+    reports.plot_learning_curve(
+        run.history, baselines, curve, title=title, label="DSRL (mean noise)", wall_time=True
     )
-    summary = write_summary(config, baselines, run, held_out, pretrained_state, start)
+    summary = reports.run_summary(
+        config, baselines, run.history, held_out, pretrained_state,
+        bc_noise_free_return=baselines["BC (noise-free)"]["mean_return"],
+        env_steps=run.env_steps, iterations=run.iteration, updates=run.updates,
+        training_wall_seconds=run.wall_seconds, wall_seconds=time.perf_counter() - start,
+    )  # fmt: skip
+    runs.write_json(output_dir / "summary.json", summary)
     bc, final = baselines["BC (sampled)"], run.history[-1]
     print(
         f"curve seeds: BC success {bc['success_rate']:.1%} -> DSRL success "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import random
 import re
 import runpy
@@ -270,15 +271,16 @@ def test_compare_runs_averages_a_label_over_seeds_and_pairs_held_out_episodes(tm
 
 
 def test_dsrl_target_entropy_follows_the_box_and_refuses_unreachable_targets(example):
-    dsrl = example("dsrl")
-    DSRLConfig, target_entropy_per_dim = dsrl.DSRLConfig, dsrl.target_entropy_per_dim  # noqa: N806
-    # nan: SAC's -1 per dimension of [-1, 1] carried to [-m, m], log(m) - 1.
-    assert target_entropy_per_dim(DSRLConfig(noise_bound=1.0)) == -1.0
-    assert target_entropy_per_dim(DSRLConfig(noise_bound=0.3)) == pytest.approx(-2.2040, abs=1e-4)
-    assert target_entropy_per_dim(DSRLConfig(noise_bound=1.5, target_entropy_per_dim=-2.0)) == -2.0
+    from torchrl_flowpolicy.dsrl_networks import target_entropy_per_dim
+
+    # nan (the example's default): SAC's -1 per dimension of [-1, 1] carried to [-m, m].
+    assert math.isnan(example("dsrl").DSRLConfig().target_entropy_per_dim)
+    assert target_entropy_per_dim(1.0) == -1.0
+    assert target_entropy_per_dim(0.3) == pytest.approx(-2.2040, abs=1e-4)
+    assert target_entropy_per_dim(1.5, -2.0) == -2.0
     # At or above log(2m), the entropy of the uniform noise over the box: refused.
     with pytest.raises(ValueError, match="log\\(2 m\\) = -1.204"):
-        target_entropy_per_dim(DSRLConfig(noise_bound=0.15, target_entropy_per_dim=-1.0))
+        target_entropy_per_dim(0.15, -1.0)
 
 
 # ----------------------------------------------------------------------------- command line
