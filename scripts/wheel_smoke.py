@@ -31,6 +31,12 @@ CORE_MODULES = (
     "torchrl_flowpolicy.statistics",
     "torchrl_flowpolicy.data",
     "torchrl_flowpolicy.distributed",
+    "torchrl_flowpolicy.sampler",
+    "torchrl_flowpolicy.runs",
+    "torchrl_flowpolicy.models",
+    "torchrl_flowpolicy.loggers",
+    "torchrl_flowpolicy.episodes",
+    "torchrl_flowpolicy.dsrl_networks",
 )
 
 
