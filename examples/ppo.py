@@ -366,12 +366,10 @@ def ppo_iteration(
             loss_module.value_estimator(batch)
     replay_buffer.empty()
     replay_buffer.extend(batch.reshape(-1))
-    networks = [policy] if critic is None else [critic, policy]
-    optimizers = (
-        [learner.actor_optimizer]
-        if critic is None
-        else [learner.critic_optimizer, learner.actor_optimizer]
-    )
+    trained = [(policy, learner.actor_optimizer)]  # grpo: the actor alone
+    if critic is not None:
+        trained.insert(0, (critic, learner.critic_optimizer))
+    parameters = [parameter for network, _ in trained for parameter in network.parameters()]
     metrics: dict[str, list[float]] = {}
     fresh_drift = None
     for _ in range(config.epochs):
@@ -387,12 +385,13 @@ def ppo_iteration(
                 loss = loss + losses["loss_entropy"]
             if critic is not None:  # the critic always, the actor after the warm-up
                 loss = losses["loss_critic"] + (loss if train_actor else 0.0)
-            for optimizer in optimizers:
+            for _, optimizer in trained:
                 optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            distributed.average_gradients([p for network in networks for p in network.parameters()])
-            stepped = 1 if critic is not None and not train_actor else len(networks)  # warm-up
-            for network, optimizer in zip(networks[:stepped], optimizers[:stepped], strict=True):
+            distributed.average_gradients(parameters)  # over the ranks (torchrun)
+            for network, optimizer in trained:
+                if network is policy and critic is not None and not train_actor:
+                    continue  # the critic's warm-up
                 torch.nn.utils.clip_grad_norm_(network.parameters(), config.max_grad_norm)
                 optimizer.step()
             for name, value in losses.items():
@@ -432,7 +431,11 @@ def run_identity(config: PPOConfig, model_config: models.ModelConfig) -> dict[st
 
 
 def save_ppo_run(
-    path: Path, learner: Learner, model_config: models.ModelConfig, config: PPOConfig, run
+    path: Path,
+    learner: Learner,
+    model_config: models.ModelConfig,
+    config: PPOConfig,
+    run: runs.RunProgress,
 ) -> None:
     """The run checkpoint ``--resume`` reads: what the learner trains, the progress
     (:class:`~torchrl_flowpolicy.runs.RunProgress`), the advantage, and the policy's record
