@@ -27,7 +27,7 @@ from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.envs.utils import ExplorationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from torchrl_flowpolicy.envs import get_task  # noqa: E402
+from torchrl_flowpolicy.envs import TASKS, get_task  # noqa: E402
 from torchrl_flowpolicy.networks import ObservationNormalizer  # noqa: E402
 
 from common import (  # noqa: E402
@@ -76,7 +76,7 @@ def time_collector(collector, batches: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="pusher", choices=["pusher", "lift"])
+    parser.add_argument("--task", default="pusher", choices=sorted(TASKS))
     parser.add_argument("--num-envs", type=int, default=16)
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=4)

@@ -209,13 +209,6 @@ QUICK = {
 }
 
 
-# What --task lift changes (robosuite Lift), with the pretraining's own task defaults.
-RUN_DEFAULTS: dict[str, dict[str, Any]] = {
-    task: {f"pretrain.{name}": value for name, value in values.items()}
-    for task, values in pretrain.DEMO_DEFAULTS.items()
-}
-
-
 def parse_args(argv: list[str] | None = None) -> DSRLConfig:
     """The command line (``--help``) as a :class:`DSRLConfig`."""
     exclude = [f"pretrain.{name}" for name in (*pretrain.RUN_SETTINGS, *pretrain.EXCLUDE)]
@@ -224,7 +217,7 @@ def parse_args(argv: list[str] | None = None) -> DSRLConfig:
         argv,
         description=__doc__,
         quick=QUICK,
-        task_defaults=task_defaults(RUN_DEFAULTS),
+        task_defaults=task_defaults("dsrl"),  # the task's defaults: envs.tasks.TASKS
         exclude=exclude,
     )
 
@@ -686,7 +679,7 @@ def main(config: DSRLConfig) -> dict:
     if not pretrained.is_file():
         pretrain.main(pretrain.config_for_run(config))
     policy, model_config, pretrained_state = load_policy(
-        pretrained, eval_num_steps=config.eval_num_steps
+        pretrained, task=get_task(config.task), eval_num_steps=config.eval_num_steps
     )
     policy.to(device)
     # --resume: the run checkpoint, refused now if corrupt or of another task or architecture.

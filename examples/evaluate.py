@@ -190,8 +190,9 @@ def video_name(path: str, scale: float) -> str:
 def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> list[dict]:
     """Each checkpoint against ``config.baseline`` under the protocol, on the split's seeds."""
     seed = split_seed(config.split, config.eval_episodes)
+    task = get_task(config.task)
     baseline, model_config, _ = load_policy(
-        Path(config.baseline), eval_num_steps=config.eval_num_steps
+        Path(config.baseline), task=task, eval_num_steps=config.eval_num_steps
     )
     executed = model_config.executed_chunk_length
     env = make_eval_env(config, config.eval_episodes, executed)
@@ -203,7 +204,7 @@ def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> lis
     expert = evaluate_task_expert(config, config.eval_episodes, seed)
     comparisons = []
     for path in checkpoints:
-        policy, _, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
+        policy, _, _ = load_policy(Path(path), task=task, eval_num_steps=config.eval_num_steps)
         rl = evaluate_decodings(policy, env, seed=seed, **options)
         summary = protocol_summary(bc, rl, expert, reported_decoding=config.reported_decoding)
         tqdm.write(f"{path}: {format_protocol(summary)}")
@@ -226,8 +227,11 @@ def main(config: EvaluateConfig) -> list[dict]:
         if config.video_episodes:
             videos.append(record_video(None, None, "expert", config))
     progress = tqdm(total=len(checkpoints) * (len(scales) + len(bounds)), desc="evaluations")
+    task = get_task(config.task)
     for path in checkpoints:
-        policy, model_config, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
+        policy, model_config, _ = load_policy(
+            Path(path), task=task, eval_num_steps=config.eval_num_steps
+        )
         executed = model_config.executed_chunk_length
         max_decisions = decisions_per_episode(config.max_episode_steps, executed)
         env = make_eval_env(config, config.eval_episodes, executed)
@@ -266,4 +270,4 @@ def main(config: EvaluateConfig) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(parse_config(EvaluateConfig, description=__doc__, task_defaults=task_defaults()))
+    main(parse_config(EvaluateConfig, description=__doc__, task_defaults=task_defaults("evaluate")))

@@ -330,36 +330,6 @@ QUICK = {
 }
 
 
-# What --task lift / can change (robosuite Lift and PickPlaceCan, see
-# torchrl_flowpolicy.envs.robosuite_tasks); the pretraining's own task defaults come along.
-RUN_DEFAULTS: dict[str, dict[str, Any]] = {
-    "lift": {
-        **{f"pretrain.{name}": value for name, value in pretrain.DEMO_DEFAULTS["lift"].items()},
-        # The recipe of docs/robosuite.md (from 25 demonstrations to 93.5-98 % noise-free
-        # on the held-out states in 600k env steps): 48 envs x 15 decisions = 720 decisions
-        # a batch, two minibatches; strong self-imitation and a larger actor step than
-        # Pusher's; the sparse success reward (1 at success) is used as is.
-        "num_envs": 48,
-        "minibatch_size": 360,
-        "bc_coeff": 1.0,
-        "actor_learning_rate": 1e-4,
-        "reward_scale": 1.0,
-        "total_env_steps": 600_000,
-        "eval_every": 10,
-        "checkpoint_every": 10,
-    },
-    # --task can (robosuite PickPlaceCan): 16 envs x 63 decisions = 1,008 decisions a batch.
-    "can": {
-        **{f"pretrain.{name}": value for name, value in pretrain.DEMO_DEFAULTS["can"].items()},
-        "minibatch_size": 504,
-        "reward_scale": 1.0,
-        "total_env_steps": 500_000,
-        "eval_every": 5,
-        "checkpoint_every": 5,
-    },
-}
-
-
 def parse_args(argv: list[str] | None = None) -> PPOConfig:
     """The command line (``--help``) as a :class:`PPOConfig`."""
     exclude = [f"pretrain.{name}" for name in pretrain.RUN_SETTINGS] + [
@@ -370,7 +340,7 @@ def parse_args(argv: list[str] | None = None) -> PPOConfig:
         argv,
         description=__doc__,
         quick=QUICK,
-        task_defaults=task_defaults(RUN_DEFAULTS),
+        task_defaults=task_defaults("ppo"),  # the task's defaults: envs.tasks.TASKS
         exclude=exclude,
     )
 
@@ -847,7 +817,7 @@ def save_ppo_run(
         env_steps=env_steps,
         history=json.dumps(history),
         model_config=dataclasses.asdict(model_config),
-        task=task,
+        **get_task(task).checkpoint_identity(),  # the task and its observation layout
         advantage=advantage,
         noise=noise,
         wall_seconds=wall_seconds,
@@ -968,7 +938,9 @@ def main(config: PPOConfig) -> dict:
     if main_process and not pretrained.is_file():
         pretrain.main(pretrain.config_for_run(config))
     barrier()
-    policy, model_config, pretrained_state = load_policy(pretrained, **sampler_options(config))
+    policy, model_config, pretrained_state = load_policy(
+        pretrained, task=get_task(config.task), **sampler_options(config)
+    )
     policy.to(device)
     # --resume: the run checkpoint, refused now if corrupt or of another task or architecture.
     run_checkpoint = output_dir / "checkpoint.pt"

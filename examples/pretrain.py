@@ -88,14 +88,6 @@ RUN_SETTINGS = (
     "terminate_on_success",
 )
 
-# The demonstrations --task lift / can clone (with the task's own settings, common.task_defaults).
-# Lift: 25 demonstrations at action noise 0.3 clone to 60.5-72 % noise-free on the held-out
-# states, the start PPO's Lift defaults fine-tune (15: about 40 %, 40: 70 % sampled on the
-# learning-curve episodes; docs/robosuite.md).
-DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
-    "lift": {"demo_episodes": 25, "demo_action_noise": 0.3},
-    "can": {"demo_episodes": 15, "demo_action_noise": 0.3},
-}
 # The model fields that come from the task are not command-line options.
 EXCLUDE = tuple(f"model.{name}" for name in TASK_MODEL_FIELDS)
 
@@ -118,17 +110,6 @@ def config_for_run(run: Any) -> PretrainConfig:
         reward=run.reward,
         terminate_on_success=run.terminate_on_success,
     )
-
-
-def demo_options(config: PretrainConfig) -> dict[str, Any]:
-    """The task settings of the demonstration set (:func:`load_or_collect_demos`)."""
-    options = task_options(config)
-    if config.task != "pusher":  # Pusher's demonstrations store gymnasium's reward
-        return {"task": config.task, **options}
-    return {
-        "max_episode_steps": options["max_episode_steps"],
-        "success_threshold": options["success_threshold"],
-    }
 
 
 def train(policy: FlowSDEPolicy, dataset: TensorDictBase, config: PretrainConfig) -> list[float]:
@@ -202,7 +183,8 @@ def main(config: PretrainConfig) -> dict:
             seed=config.demo_seed,
             directory=config.demo_dir,
             progress=demo_progress.update,
-            **demo_options(config),
+            task=config.task,
+            **task_options(config),
         )
     print(f"demonstrations {'loaded from' if cached else 'written to'} {demo_file}")
     dataset = make_chunk_dataset(
@@ -238,7 +220,7 @@ def main(config: PretrainConfig) -> dict:
         "total_seconds": time.perf_counter() - start,
     }
     checkpoint = output_dir / config.checkpoint_name
-    save_policy(checkpoint, policy, config.model, summary=json.dumps(summary))
+    save_policy(checkpoint, policy, config.model, task=task, summary=json.dumps(summary))
     write_json(output_dir / "summary.json", summary)
     print(f"saved {checkpoint} ({summary['total_seconds']:.0f} s)")
     return summary
@@ -249,7 +231,7 @@ if __name__ == "__main__":
         parse_config(
             PretrainConfig,
             description=__doc__,
-            task_defaults=task_defaults(DEMO_DEFAULTS),
+            task_defaults=task_defaults("pretrain"),
             exclude=EXCLUDE,
         )
     )
