@@ -21,7 +21,6 @@ from torchrl.envs.utils import check_env_specs
 
 from torchrl_flowpolicy.envs import BatchedGymEnv, make_chunked_env
 from torchrl_flowpolicy.envs.demonstrations import demos_path, load_or_collect_demos
-from torchrl_flowpolicy.envs.pusher_demos import collect_demos
 from torchrl_flowpolicy.envs.pusher import (
     DEFAULT_SUCCESS_THRESHOLD,
     PUSHER_ENV_ID,
@@ -30,6 +29,7 @@ from torchrl_flowpolicy.envs.pusher import (
     make_pusher_env,
     object_goal_distance,
 )
+from torchrl_flowpolicy.envs.pusher_demos import collect_demos
 from torchrl_flowpolicy.envs.pusher_expert import PusherExpert
 
 
