@@ -62,6 +62,7 @@ from torchrl_flowpolicy.protocol import (
     protocol_summary,
     split_seed,
 )
+from torchrl_flowpolicy.sampler import SamplerOptions
 from torchrl_flowpolicy.statistics import wilson_interval
 
 Config = TypeVar("Config")
@@ -395,7 +396,7 @@ TASK_MODEL_FIELDS = ("observation_dim", "action_dim")
 def build_policy(
     model_config: ModelConfig,
     normalizer: ObservationNormalizer,
-    **sampler: Any,
+    options: SamplerOptions | None = None,
 ) -> FlowSDEPolicy:
     """The reference transformer action expert with an observation encoder."""
     encoder = nn.Sequential(
@@ -417,7 +418,7 @@ def build_policy(
         action_shape=(model_config.chunk_length, model_config.action_dim),
         encoder=encoder,
         executed_chunk_length=model_config.executed_chunk_length,
-        **sampler,
+        options=options,
     )
 
 
@@ -455,7 +456,9 @@ def save_figure(figure: Any, path: str | Path) -> Path:
     return atomic_write(path, lambda file: figure.savefig(file, format="png", dpi=120))
 
 
-def load_policy(path: Path, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig, dict]:
+def load_policy(
+    path: Path, options: SamplerOptions | None = None
+) -> tuple[FlowSDEPolicy, ModelConfig, dict]:
     """Rebuild a policy saved by :func:`save_policy` (or :func:`save_run` with a ``"policy"``
     and a ``"model_config"``); returns it, its config and the whole checkpoint.
 
@@ -465,7 +468,7 @@ def load_policy(path: Path, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig,
     model_config = ModelConfig(**state["model_config"])
     size = model_config.observation_dim
     normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
-    policy = build_policy(model_config, normalizer, **sampler)
+    policy = build_policy(model_config, normalizer, options)
     noise = state.get("noise", {})
     if noise.get("kind") == "learned":
         policy.noise_head = build_noise_head(model_config, noise["min_std"], noise["max_std"])

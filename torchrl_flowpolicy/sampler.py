@@ -203,6 +203,9 @@ class FlowSampler(nn.Module):
                 f"network_dtype must be a floating torch.dtype, got {network_dtype!r}."
             )
         self.chunk_shape = torch.Size(chunk_shape)
+        self.executed_chunk_length = (
+            self.chunk_shape[0] if executed_chunk_length is None else executed_chunk_length
+        )
         self.declared_network_dtype = network_dtype
         self.velocity_network = velocity_network
         self.encoder = encoder
@@ -211,9 +214,6 @@ class FlowSampler(nn.Module):
             flow.check_action_mask(action_mask, self.chunk_shape[1])
         self.register_buffer("action_mask", action_mask, persistent=False)
         self.options = SamplerOptions() if options is None else options
-        self.executed_chunk_length = (
-            self.chunk_shape[0] if executed_chunk_length is None else executed_chunk_length
-        )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("velocity_network", "noise_head") and value is not None:
@@ -406,7 +406,8 @@ class FlowSampler(nn.Module):
             raise ValueError(
                 f"{chain_name} has shape {tuple(chain.shape)} and {sde_mask_name} "
                 f"{tuple(sde_mask.shape)}; expected (N, {', '.join(map(str, expected))}) and "
-                f"(N, {total_steps}): chains of num_denoising_steps={total_steps} steps (K + 1 entries)."
+                f"(N, {total_steps}): chains of num_denoising_steps={total_steps} steps, K + 1 "
+                f"entries (the stored chain has K={chain.shape[1] - 1 if chain.ndim > 1 else '?'})."
             )
         if check_data:
             flow.check_sde_mask(sde_mask, sde_mask_name)
