@@ -176,11 +176,14 @@ def decoding(policy: FlowSDEPolicy, name: Decoding) -> Iterator[FlowSDEPolicy]:
     if name not in DECODINGS:
         raise ValueError(f"unknown decoding {name!r}: use one of {list(DECODINGS)}.")
     previous = policy.options
-    policy.options = previous.replace(eval_noise_scale=1.0 if name == "sampled" else 0.0)
+    wanted = previous.replace(eval_noise_scale=1.0 if name == "sampled" else 0.0)
+    if wanted != previous:  # setting options checks them: only when they change
+        policy.options = wanted
     try:
         yield policy
     finally:
-        policy.options = previous
+        if policy.options != previous:
+            policy.options = previous
 
 
 def evaluate_decodings(

@@ -28,13 +28,8 @@ from torchrl_flowpolicy.sampler import Context, FlowSampler, SamplerOptions
 __all__ = ["FlowSDEPolicy"]
 
 #: Attributes of the sampler that the policy reads and sets through (``policy.options = ...``).
-_SAMPLER_ATTRIBUTES = (
-    "velocity_network",
-    "encoder",
-    "noise_head",
-    "options",
-    "executed_chunk_length",
-)
+_SAMPLER_ATTRIBUTES = {"velocity_network", "encoder", "noise_head", "options"}
+_SAMPLER_ATTRIBUTES.add("executed_chunk_length")
 
 
 def _upgrade_state_dict(module, state_dict, prefix, *args) -> None:
@@ -221,11 +216,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
     def spec(self) -> Composite:
         """The entries written under RANDOM exploration, for one decision (collectors read it
         to pre-allocate their buffers)."""
-        dtype, total_steps, keys = (
-            self.sampler.dtype,
-            self.num_denoising_steps,
-            self.tensor_keys,
-        )
+        dtype, keys, total_steps = self.sampler.dtype, self.tensor_keys, self.num_denoising_steps
         parameter = next(iter(getattr(self.velocity_network, "parameters", list)()), None)
         device = None if parameter is None else parameter.device
         action_dim = self.action_shape[-1]
@@ -276,21 +267,17 @@ class FlowSDEPolicy(TensorDictModuleBase):
         batch_shape, keys = tensordict.batch_size, self.tensor_keys
         context = self.context(tensordict)
         num_decisions = math.prod(batch_shape)  # 1 for an unbatched tensordict, 0 if empty
-        row = (lambda value: value[:, :, 0]) if self.single_step else (lambda value: value)
+        # A single-step policy stores one row: x_k [N, 1, D] as [N, D].
+        rows = (lambda value: value.select(-2, 0)) if self.single_step else (lambda value: value)
         if (exploration_type() or self.default_interaction_type) == ExplorationType.RANDOM:
             sampled = self.sampler.sample(context, num_decisions)
-            entries = {
-                keys.action: sampled.action[:, 0] if self.single_step else sampled.action,
-                keys.chain: row(sampled.chain),
-                keys.sde_mask: sampled.sde_mask,
-                keys.step_log_prob: sampled.step_log_prob,
-                keys.log_prob: sampled.log_prob,
-            }
+            entries = {keys.action: rows(sampled.action), keys.chain: rows(sampled.chain)}
+            entries |= {keys.sde_mask: sampled.sde_mask, keys.step_log_prob: sampled.step_log_prob}
+            entries[keys.log_prob] = sampled.log_prob
             if sampled.step_std is not None:
-                entries[keys.step_std] = row(sampled.step_std)
+                entries[keys.step_std] = rows(sampled.step_std)
         else:
-            action = self.sampler.ode_sample(context, num_decisions)
-            entries = {keys.action: action[:, 0] if self.single_step else action}
+            entries = {keys.action: rows(self.sampler.ode_sample(context, num_decisions))}
         for key, value in entries.items():
             tensordict.set(key, value.reshape((*batch_shape, *value.shape[1:])))
         return tensordict
@@ -310,7 +297,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
             )
         noise = initial_noise.reshape(-1, *self.chunk_shape).to(self.sampler.dtype)
         action = self.sampler.ode(self.context(tensordict), noise)
-        action = action[:, 0] if self.single_step else action
+        action = action.select(-2, 0) if self.single_step else action
         return action.reshape((*batch_shape, *action.shape[1:]))
 
     def stochastic_steps(
@@ -327,17 +314,10 @@ class FlowSDEPolicy(TensorDictModuleBase):
         errors name the keys); ``context_grad`` lets the gradient reach the encoder."""
         chain_key = chain_key or self.tensor_keys.chain
         sde_mask_key = sde_mask_key or self.tensor_keys.sde_mask
-        chain, sde_mask = self.stored_chain(
-            tensordict, chain_key=chain_key, sde_mask_key=sde_mask_key
-        )
-        return self.sampler.rescore(
-            self.context(tensordict, grad=context_grad),
-            chain,
-            sde_mask,
-            check_data=check_data,
-            chain_name=repr(chain_key),
-            sde_mask_name=repr(sde_mask_key),
-        )
+        stored = self.stored_chain(tensordict, chain_key=chain_key, sde_mask_key=sde_mask_key)
+        context = self.context(tensordict, grad=context_grad)
+        names = {"chain_name": repr(chain_key), "sde_mask_name": repr(sde_mask_key)}
+        return self.sampler.rescore(context, *stored, check_data=check_data, **names)
 
     def log_prob(self, tensordict: TensorDictBase, *, context_grad: bool = False) -> Tensor:
         """Per-step log-probs ``[*B, K]`` of the stored chain under the current parameters: 0

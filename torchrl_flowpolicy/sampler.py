@@ -164,7 +164,8 @@ class FlowSampler(nn.Module):
             (:func:`flow.probability_dtype <torchrl_flowpolicy.flow.probability_dtype>`).
 
     Setting ``options`` or ``executed_chunk_length`` checks the new value (a ``ValueError``
-    naming the setting; a refused value changes nothing) and clears the cached schedules.
+    naming the setting; a refused value changes nothing; a change of the noise scales alone
+    checks only them) and clears the cached schedules.
 
     Examples:
         >>> from torchrl_flowpolicy.networks import MLPVelocityNetwork
@@ -231,7 +232,7 @@ class FlowSampler(nn.Module):
         if not isinstance(options, SamplerOptions):
             raise TypeError(f"options must be a SamplerOptions, got {type(options).__name__}.")
         scales = {name: getattr(current, name, None) for name in _NOISE_SCALES}
-        if current is not None and options.replace(**scales) == current:
+        if current not in (None, options) and options.replace(**scales) == current:
             for name in _NOISE_SCALES:  # only a noise scale changed: it enters no grid
                 flow.check_noise_scale(name, getattr(options, name))
         else:
