@@ -323,7 +323,10 @@ def test_ppo_options_use_the_library_names(examples_on_path, capsys):
         assert flag in entries
     assert "--pretrain.demo_action_noise" in entries
     assert "--pretrain.model.executed_chunk_length" in entries
-    assert not any("denoising" in flag or "noise_level" in flag[10:] for flag in entries)
+    # The sampler's settings once, under the library's names: no other spelling, no copy in a group.
+    denoising = {flag for flag in entries if "denoising" in flag}
+    assert denoising == {"--num_denoising_steps", "--eval_num_denoising_steps"}
+    assert not any("noise_level" in flag[10:] for flag in entries)
     # Set from the run's own options when the pretraining runs: not offered twice.
     assert "--pretrain.seed" not in entries and "--pretrain.reward" not in entries
 

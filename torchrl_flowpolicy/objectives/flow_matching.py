@@ -14,7 +14,12 @@ from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.flow import SigmaDistribution
 from torchrl_flowpolicy.policy import FlowSDEPolicy
 
-__all__ = ["FlowMatchingLoss", "flow_matching_per_sample", "self_imitation_error"]
+__all__ = [
+    "FlowMatchingLoss",
+    "flow_matching_per_sample",
+    "reduce_self_imitation",
+    "self_imitation_error",
+]
 
 
 def flow_matching_per_sample(
@@ -138,6 +143,24 @@ def self_imitation_error(
         context_grad=context_grad,
     )
     return error, success
+
+
+def reduce_self_imitation(error: Tensor, success: Tensor, reduction: str) -> Tensor:
+    """Reduce :func:`self_imitation_error`'s ``error [S]`` with a loss's ``reduction``.
+
+    ``"none"``: one value per decision ``[*B]``, zero where not successful; ``"mean"`` /
+    ``"sum"`` over the ``S`` successful decisions (0 when there is none).
+
+    Examples:
+        >>> success = torch.tensor([True, False, True])
+        >>> reduce_self_imitation(torch.tensor([1.0, 3.0]), success, "none")
+        tensor([1., 0., 3.])
+    """
+    if reduction == "none":
+        return error.new_zeros(success.shape).masked_scatter(success, error)
+    if error.numel() == 0:
+        return error.new_zeros(())
+    return error.mean() if reduction == "mean" else error.sum()
 
 
 class FlowMatchingLoss(LossModule):

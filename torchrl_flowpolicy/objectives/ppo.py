@@ -1,4 +1,41 @@
-"""``DenoisingClipPPOLoss``: PPO's clipped objective per denoising step of a flow policy."""
+"""``DenoisingClipPPOLoss``: PPO's clipped objective per denoising step of a flow policy.
+
+Each stochastic step ``k`` of decision ``t`` is a Gaussian transition
+``x_{k+1} ~ N(mu_k(x_k; phi), std_k^2 I)`` (see :class:`~torchrl_flowpolicy.FlowSDEPolicy`).
+With ``rho_{t,k} = exp(log N(x_{k+1}; mu_k^phi, std_k) - log N(x_{k+1}; mu_k^old, std_k))``
+and the decision's advantage ``A_t`` broadcast over its stochastic steps,
+
+``loss_objective = -mean_{(t,k) stochastic} min(rho A_t, clip(rho, 1 - eps_low, 1 + eps_high) A_t)``
+
+(DPPO, Ren et al., 2024; pi-RL, Chen et al., 2025; Flow-GRPO, Liu et al., 2025). The mean
+runs over the stochastic entries only: deterministic steps add neither to the objective,
+nor to its normalisation, nor to the diagnostics.
+
+Built on ``ClipPPOLoss``'s hooks: ``DenoisingClipPPOLoss._log_weight`` (PPO's log-prob hook) gives the
+per-step log-weight ``[*B, K, 1]`` (0 at deterministic steps) from one batched network
+call, TorchRL's ``_broadcast_advantage_to_log_weight`` spreads the advantage over the
+steps and ``_reduce_loss`` reduces with the stochastic-step mask. TorchRL's, unchanged:
+the critic loss and value clipping, advantage normalisation, ``make_value_estimator``
+(GAE at the decision level), ``max_importance_ratio``, ``separate_losses``, reductions,
+functional parameters, the clip buffers and ``_weighted_loss_entropy``. ``forward`` is a
+composition of the surrogate (:func:`~torchrl_flowpolicy.objectives.surrogate.clipped_surrogate`,
+with dual clip), the extra terms and the diagnostics over the stochastic entries
+(:func:`~torchrl_flowpolicy.objectives.surrogate.ratio_diagnostics`); ``docs/dropin.md``
+names the TorchRL hook that would make it TorchRL's own.
+
+Entropy (off by default): a step's Gaussian entropy over its ``H' x D`` real entries,
+averaged over the stochastic entries (``"entropy"``). With the fixed schedule it has no
+gradient (exploration is the policy's ``noise_level``); with a noise head (Flow-Noise,
+ReinFlow) the ratio includes the change of std and ``entropy_bonus=True`` is a real
+bonus reaching the head. ``"loss_entropy"`` is always written (a zero without the bonus),
+so that TorchRL's scripts can sum every ``loss_*`` entry.
+
+Critic-free (``critic_network=None``, e.g. group-relative PPO with
+:class:`~torchrl_flowpolicy.objectives.GroupRelativeAdvantage`): the advantage is read
+from the batch, no ``loss_critic`` is written, the ``in_keys`` have no next-step entries,
+and critic options (``critic_coeff > 0``, ``clip_value``, ``loss_critic_type``,
+``make_value_estimator``, ``loss_critic``) raise a ``ValueError`` naming them.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +54,14 @@ from torchrl.objectives.ppo import _broadcast_advantage_to_log_weight, _check_ad
 
 from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.flow import StochasticSteps
-from torchrl_flowpolicy.objectives.flow_matching import self_imitation_error
-from torchrl_flowpolicy.objectives.options import check_loss_options, no_critic_error
+from torchrl_flowpolicy.objectives.checks import (
+    check_advantage,
+    check_loss_options,
+    check_objective,
+    no_critic_error,
+    stored_step_log_prob,
+)
+from torchrl_flowpolicy.objectives.flow_matching import reduce_self_imitation, self_imitation_error
 from torchrl_flowpolicy.objectives.surrogate import Surrogate, clipped_surrogate, ratio_diagnostics
 from torchrl_flowpolicy.policy import FlowSDEPolicy
 from torchrl_flowpolicy.sampler import KLEstimator
@@ -31,43 +74,10 @@ _PARAMETER_ENTRIES += ("target_actor_network_params", "target_critic_network_par
 
 
 class DenoisingClipPPOLoss(ClipPPOLoss):
-    """PPO's clipped objective taken per (decision, stochastic denoising step).
+    """PPO's clipped objective per (decision, stochastic denoising step) of a flow policy.
 
-    Each stochastic step ``k`` of decision ``t`` is a Gaussian transition
-    ``x_{k+1} ~ N(mu_k(x_k; phi), std_k^2 I)`` (see :class:`~torchrl_flowpolicy.FlowSDEPolicy`).
-    With ``rho_{t,k} = exp(log N(x_{k+1}; mu_k^phi, std_k) - log N(x_{k+1}; mu_k^old, std_k))``
-    and the decision's advantage ``A_t`` broadcast over its stochastic steps,
-
-    ``loss_objective = -mean_{(t,k) stochastic} min(rho A_t, clip(rho, 1 - eps_low, 1 + eps_high) A_t)``
-
-    (DPPO, Ren et al., 2024; pi-RL, Chen et al., 2025; Flow-GRPO, Liu et al., 2025). The mean
-    runs over the stochastic entries only: deterministic steps add neither to the objective,
-    nor to its normalisation, nor to the diagnostics.
-
-    Built on ``ClipPPOLoss``'s hooks: :meth:`_log_weight` (PPO's log-prob hook) gives the
-    per-step log-weight ``[*B, K, 1]`` (0 at deterministic steps) from one batched network
-    call, TorchRL's ``_broadcast_advantage_to_log_weight`` spreads the advantage over the
-    steps and ``_reduce_loss`` reduces with the stochastic-step mask. TorchRL's, unchanged:
-    the critic loss and value clipping, advantage normalisation, ``make_value_estimator``
-    (GAE at the decision level), ``max_importance_ratio``, ``separate_losses``, reductions,
-    functional parameters, the clip buffers and ``_weighted_loss_entropy``. ``forward`` is a
-    composition of the surrogate (:func:`~torchrl_flowpolicy.objectives.surrogate.clipped_surrogate`,
-    with dual clip), the extra terms and the diagnostics over the stochastic entries
-    (:func:`~torchrl_flowpolicy.objectives.surrogate.ratio_diagnostics`); ``docs/dropin.md``
-    names the TorchRL hook that would make it TorchRL's own.
-
-    Entropy (off by default): a step's Gaussian entropy over its ``H' x D`` real entries,
-    averaged over the stochastic entries (``"entropy"``). With the fixed schedule it has no
-    gradient (exploration is the policy's ``noise_level``); with a noise head (Flow-Noise,
-    ReinFlow) the ratio includes the change of std and ``entropy_bonus=True`` is a real
-    bonus reaching the head. ``"loss_entropy"`` is always written (a zero without the bonus),
-    so that TorchRL's scripts can sum every ``loss_*`` entry.
-
-    Critic-free (``critic_network=None``, e.g. group-relative PPO with
-    :class:`~torchrl_flowpolicy.objectives.GroupRelativeAdvantage`): the advantage is read
-    from the batch, no ``loss_critic`` is written, the ``in_keys`` have no next-step entries,
-    and critic options (``critic_coeff > 0``, ``clip_value``, ``loss_critic_type``,
-    ``make_value_estimator``, ``loss_critic``) raise a ``ValueError`` naming them.
+    The objective, the hooks it is built on, the entropy and the critic-free mode are
+    described in the module's docstring (:mod:`torchrl_flowpolicy.objectives.ppo`).
 
     Args:
         actor_network: the :class:`~torchrl_flowpolicy.FlowSDEPolicy` to train.
@@ -156,43 +166,23 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         check_data: bool = True,
         **kwargs: Any,
     ):
+        coefficients = (kl_coeff, bc_coeff, kl_estimator)
         check_loss_options(
-            actor_network,
-            critic_network,
-            clip_epsilon,
-            dual_clip,
-            kl_coeff,
-            bc_coeff,
-            kl_estimator,
-            kwargs,
+            actor_network, critic_network, clip_epsilon, dual_clip, *coefficients, kwargs
         )
         if kl_coeff > 0 and reference_actor is None:
             reference_actor = copy.deepcopy(actor_network)
-        super().__init__(
-            actor_network,
-            critic_network,
-            clip_epsilon=clip_epsilon,
-            entropy_bonus=entropy_bonus,
-            **kwargs,
-        )
+        options = {"clip_epsilon": clip_epsilon, "entropy_bonus": entropy_bonus, **kwargs}
+        super().__init__(actor_network, critic_network, **options)
         if reference_actor is not None:
             reference_actor = reference_actor.requires_grad_(False).eval()
         self.reference_actor = reference_actor
-        self.dual_clip = dual_clip
-        self.context_grad = context_grad
-        self.kl_coeff = kl_coeff
-        self.kl_estimator = kl_estimator
-        self.bc_coeff = bc_coeff
+        self.dual_clip, self.context_grad, self.check_data = dual_clip, context_grad, check_data
+        self.kl_coeff, self.kl_estimator, self.bc_coeff = kl_coeff, kl_estimator, bc_coeff
         self.sigma_distribution = sigma_distribution
-        self.check_data = check_data
-        policy_keys = actor_network.tensor_keys
-        self.set_keys(
-            action=policy_keys.action,
-            sample_log_prob=policy_keys.log_prob,
-            step_log_prob=policy_keys.step_log_prob,
-            chain=policy_keys.chain,
-            sde_mask=policy_keys.sde_mask,
-        )
+        keys = actor_network.tensor_keys  # the policy's names, copied
+        self.set_keys(action=keys.action, sample_log_prob=keys.log_prob, chain=keys.chain)
+        self.set_keys(step_log_prob=keys.step_log_prob, sde_mask=keys.sde_mask)
 
     def _set_in_keys(self) -> None:
         super()._set_in_keys()
@@ -210,13 +200,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     @property
     def out_keys(self) -> list[NestedKey]:
         if self._out_keys is None:
-            keys = ["loss_objective"]
-            if self._has_critic:
-                keys.append("loss_critic")
-            if self.kl_coeff > 0:
-                keys.append("loss_kl")
-            if self.bc_coeff > 0:
-                keys.append("loss_bc")
+            keys = ["loss_objective", *["loss_critic"] * self._has_critic]
+            keys += ["loss_kl"] * (self.kl_coeff > 0) + ["loss_bc"] * (self.bc_coeff > 0)
             keys.append("loss_entropy")
             keys += ["clip_fraction", "kl_approx", "ESS", "mean_ratio", "max_ratio"]
             keys += ["entropy", "log_prob_drift", "num_stochastic_steps"]
@@ -260,32 +245,9 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             )
 
     def old_step_log_prob(self, tensordict: TensorDictBase, steps: StochasticSteps) -> Tensor:
-        """The stored log-probs of the stochastic entries, ``[M]``."""
-        key = self.tensor_keys.step_log_prob
-        old = tensordict.get(key, None)
-        expected = (*tensordict.batch_size, self.actor_network.num_denoising_steps)
-        if old is None:
-            raise KeyError(
-                f"the stored per-step log-probs {key!r} are missing; FlowSDEPolicy writes "
-                f"them under RANDOM exploration (set_keys(step_log_prob=...) to rename)."
-            )
-        if tuple(old.shape) != expected:
-            raise ValueError(
-                f"{key!r} has shape {tuple(old.shape)}, expected {expected} (one log-prob "
-                f"per denoising step)."
-            )
-        if old.requires_grad:
-            raise RuntimeError(f"the stored log-probs {key!r} require grad; detach them.")
-        entries = old.reshape(-1, old.shape[-1])[steps.decision_index, steps.step_index]
-        if self.check_data and not flow.all_finite(entries):
-            bad = ~torch.isfinite(entries)
-            raise ValueError(
-                f"the stored log-probs {key!r} are not finite at {int(bad.sum())} stochastic "
-                f"(decision, step) entries, e.g. {entries[bad][0].item()} at "
-                f"{flow.format_step_entries(steps, bad, limit=1)}: the data were corrupted "
-                f"(a ratio against them is inf or NaN, and so would be every gradient)."
-            )
-        return entries
+        """The stored log-probs of the stochastic entries, ``[M]`` (checked)."""
+        key, num_steps = self.tensor_keys.step_log_prob, self.actor_network.num_denoising_steps
+        return stored_step_log_prob(tensordict, key, steps, num_steps, self.check_data)
 
     def _log_weight(
         self, tensordict: TensorDictBase, adv_shape: torch.Size
@@ -326,20 +288,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
                 target_params=self.target_critic_network_params,
             )
             advantage = tensordict.get(self.tensor_keys.advantage)
-        expected = (*tensordict.batch_size, 1)
-        if tuple(advantage.shape) != expected:
-            raise ValueError(
-                f"the advantage {self.tensor_keys.advantage!r} has shape "
-                f"{tuple(advantage.shape)}, expected {expected}: one value per decision "
-                f"(the tensordict's batch shape followed by 1)."
-            )
-        if self.check_data and not flow.all_finite(advantage):
-            source = "the value estimator wrote it" if update_norm else "it was in the input"
-            raise ValueError(
-                f"the advantage {self.tensor_keys.advantage!r} is not finite for "
-                f"{int((~torch.isfinite(advantage)).sum())} of {advantage.numel()} decisions "
-                f"({source}): check the rewards, the value estimates and the data."
-            )
+        source = "the value estimator wrote it" if update_norm else "it was in the input"
+        check_advantage(advantage, self.tensor_keys.advantage, tensordict, source, self.check_data)
         return self._maybe_normalize_advantage(advantage, tensordict, update_norm=update_norm)
 
     def reduce_steps(self, values: Tensor, sde_mask: Tensor, tensordict: TensorDictBase) -> Tensor:
@@ -394,15 +344,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     ) -> Tensor:
         """``loss_objective``: the negative gain reduced over the stochastic entries."""
         loss_objective = self.reduce_steps(-surrogate.gain[..., 0], sde_mask, tensordict)
-        if self.check_data and not flow.all_finite(loss_objective):
-            raise ValueError(
-                f"loss_objective is not finite although the stored data are: a ratio or an "
-                f"advantage overflows {loss_objective.dtype} (largest |advantage| "
-                f"{advantage.abs().max().item():.3g}, largest log-ratio "
-                f"{surrogate.log_weight.max().item():.3g}). Normalise the advantage "
-                f"(normalize_advantage=True), scale the rewards, or check that the data were "
-                f"collected by this policy (log_prob_drift)."
-            )
+        if self.check_data:
+            check_objective(loss_objective, advantage, surrogate.log_weight)
         return loss_objective
 
     def _add_critic_terms(self, tensordict: TensorDictBase, out: TensorDictBase) -> None:
@@ -440,8 +383,4 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
                 sigma_distribution=self.sigma_distribution,
                 context_grad=self.context_grad,
             )
-        if self.reduction == "none":  # one value per decision, zero where not successful
-            return error.new_zeros(success.shape).masked_scatter(success, error)
-        if error.numel() == 0:
-            return error.new_zeros(())
-        return error.mean() if self.reduction == "mean" else error.sum()
+        return reduce_self_imitation(error, success, self.reduction)
