@@ -62,6 +62,7 @@ from torchrl_flowpolicy.protocol import (
     protocol_summary,
     split_seed,
 )
+from torchrl_flowpolicy.sampler import SamplerOptions
 from torchrl_flowpolicy.statistics import wilson_interval
 
 Config = TypeVar("Config")
@@ -422,7 +423,7 @@ TASK_MODEL_FIELDS = ("observation_dim", "action_dim")
 def build_policy(
     model_config: ModelConfig,
     normalizer: ObservationNormalizer,
-    **sampler: Any,
+    options: SamplerOptions | None = None,
 ) -> FlowSDEPolicy:
     """The reference transformer action expert with an observation encoder."""
     encoder = nn.Sequential(
@@ -444,7 +445,7 @@ def build_policy(
         action_shape=(model_config.chunk_length, model_config.action_dim),
         encoder=encoder,
         executed_chunk_length=model_config.executed_chunk_length,
-        **sampler,
+        options=options,
     )
 
 
@@ -494,7 +495,7 @@ def save_figure(figure: Any, path: str | Path) -> Path:
 
 
 def load_policy(
-    path: Path, *, task: Task | None = None, **sampler: Any
+    path: Path, options: SamplerOptions | None = None, *, task: Task | None = None
 ) -> tuple[FlowSDEPolicy, ModelConfig, dict]:
     """Rebuild a policy saved by :func:`save_policy` (or :func:`save_run` with a ``"policy"``
     and a ``"model_config"``); returns it, its config and the whole checkpoint.
@@ -509,7 +510,7 @@ def load_policy(
     model_config = ModelConfig(**state["model_config"])
     size = model_config.observation_dim
     normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
-    policy = build_policy(model_config, normalizer, **sampler)
+    policy = build_policy(model_config, normalizer, options)
     noise = state.get("noise", {})
     if noise.get("kind") == "learned":
         policy.noise_head = build_noise_head(model_config, noise["min_std"], noise["max_std"])

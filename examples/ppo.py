@@ -104,6 +104,7 @@ from torchrl_flowpolicy.protocol import (  # noqa: E402
     CURVE_SEED,
     training_seed,
 )
+from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
 
 import pretrain  # noqa: E402
 from common import (
@@ -188,8 +189,10 @@ class PPOConfig(TaskOptions):
         "steps alone); the learning curve decodes with the same x_0 std",
         minimum=0,
     )
-    num_steps: int = option(8, "K: denoising steps of rollouts and of the learner", minimum=1)
-    eval_num_steps: int = option(20, "K of the deterministic evaluation ODE", minimum=1)
+    num_denoising_steps: int = option(
+        8, "K: denoising steps of rollouts and of the learner", minimum=1
+    )
+    eval_num_denoising_steps: int = option(20, "K of the deterministic evaluation ODE", minimum=1)
     sde_mode: Literal["mixed", "last", "all"] = option(
         "last", "stochastic steps: one random step (mixed), the last num_sde_steps, all"
     )
@@ -345,17 +348,17 @@ def parse_args(argv: list[str] | None = None) -> PPOConfig:
     )
 
 
-def sampler_options(config: PPOConfig) -> dict[str, Any]:
+def sampler_options(config: PPOConfig) -> SamplerOptions:
     """The flow policy's sampler settings (rollouts, learner, evaluation)."""
-    return {
-        "num_steps": config.num_steps,
-        "eval_num_steps": config.eval_num_steps,
-        "noise_level": config.noise_level,
-        "rollout_noise_scale": config.rollout_noise_scale,
-        "eval_noise_scale": config.rollout_noise_scale,
-        "sde_mode": config.sde_mode,
-        "num_sde_steps": config.num_sde_steps,
-    }
+    return SamplerOptions(
+        num_denoising_steps=config.num_denoising_steps,
+        eval_num_denoising_steps=config.eval_num_denoising_steps,
+        noise_level=config.noise_level,
+        rollout_noise_scale=config.rollout_noise_scale,
+        eval_noise_scale=config.rollout_noise_scale,
+        sde_mode=config.sde_mode,
+        num_sde_steps=config.num_sde_steps,
+    )
 
 
 def make_critic(policy: FlowSDEPolicy) -> TensorDictModule:
@@ -518,7 +521,7 @@ def make_collector(
 ) -> Collector | MultiSyncCollector | RayCollector:
     """An endless collector of ``decisions_per_batch`` decisions per batch on ``num_envs`` envs.
 
-    RANDOM exploration: the Flow-SDE sampler with K = ``num_steps``. With one worker, a
+    RANDOM exploration: the Flow-SDE sampler with K = ``num_denoising_steps``. With one worker, a
     ``Collector`` in this process; with ``collector_workers = W``, a ``MultiSyncCollector``
     (or a ``RayCollector`` with ``collector_backend="ray"``, see :func:`make_ray_collector`)
     whose worker ``w`` steps ``num_envs / W`` environments: batches concatenated along the
@@ -939,7 +942,7 @@ def main(config: PPOConfig) -> dict:
         pretrain.main(pretrain.config_for_run(config))
     barrier()
     policy, model_config, pretrained_state = load_policy(
-        pretrained, task=get_task(config.task), **sampler_options(config)
+        pretrained, sampler_options(config), task=get_task(config.task)
     )
     policy.to(device)
     # --resume: the run checkpoint, refused now if corrupt or of another task or architecture.

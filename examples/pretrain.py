@@ -27,6 +27,7 @@ from torchrl_flowpolicy.envs import get_task, load_or_collect_demos
 from torchrl_flowpolicy.evaluation import evaluate_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.objectives import FlowMatchingLoss
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 from common import (
     TASK_MODEL_FIELDS,
@@ -141,9 +142,9 @@ def evaluate_parity(policy: FlowSDEPolicy, config: PretrainConfig) -> dict[int, 
     env = make_eval_env(config, config.eval_episodes, executed)
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
     results = {}
-    for num_steps in (20, 8):
-        policy.eval_num_steps = num_steps
-        results[num_steps] = evaluate_policy(
+    for steps in (20, 8):
+        policy.options = policy.options.replace(eval_num_denoising_steps=steps)
+        results[steps] = evaluate_policy(
             policy,
             env,
             max_decisions=max_decisions,
@@ -151,11 +152,11 @@ def evaluate_parity(policy: FlowSDEPolicy, config: PretrainConfig) -> dict[int, 
             num_episodes=config.eval_episodes,
         )
         print(
-            f"BC success at K={num_steps}: {results[num_steps]['success_rate']:.1%} "
-            f"(return {results[num_steps]['mean_return']:.1f}, {config.eval_episodes} episodes)"
+            f"BC success at K={steps}: {results[steps]['success_rate']:.1%} "
+            f"(return {results[steps]['mean_return']:.1f}, {config.eval_episodes} episodes)"
         )
     env.close()
-    policy.eval_num_steps = 20
+    policy.options = policy.options.replace(eval_num_denoising_steps=20)
     gap = abs(results[20]["success_rate"] - results[8]["success_rate"])
     if gap > 0.01:
         print(
@@ -202,7 +203,7 @@ def main(config: PretrainConfig) -> dict:
     )
     normalizer = ObservationNormalizer.from_data(dataset["observation"])
     # The parity check below evaluates the model's distribution (x_0 ~ N(0, I)).
-    policy = build_policy(config.model, normalizer, eval_noise_scale=1.0)
+    policy = build_policy(config.model, normalizer, options=SamplerOptions(eval_noise_scale=1.0))
     losses = train(policy, dataset, config)
     train_seconds = time.perf_counter() - start
 
