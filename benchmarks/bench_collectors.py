@@ -31,7 +31,7 @@ from torchrl_flowpolicy.collectors import (
     make_collector,
     shutdown_collector,
 )
-from torchrl_flowpolicy.envs import get_task
+from torchrl_flowpolicy.envs import TASKS, get_task
 from torchrl_flowpolicy.models import ModelConfig, build_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.reports import decisions_per_episode
@@ -49,7 +49,7 @@ def time_collector(collector, batches: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="pusher", choices=["pusher", "lift"])
+    parser.add_argument("--task", default="pusher", choices=sorted(TASKS))
     parser.add_argument("--num-envs", type=int, default=16)
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=4)
@@ -68,7 +68,7 @@ def main() -> None:
     )
     sampler = SamplerOptions(num_denoising_steps=8, sde_mode="last", num_sde_steps=4)
     policy = build_policy(model, normalizer, sampler)
-    frames = args.num_envs * decisions_per_episode(task.defaults["max_episode_steps"], 4)
+    frames = args.num_envs * decisions_per_episode(task.max_episode_steps, 4)
     rates: dict[int, list[float]] = {1: [], 2: []}
     for round_index in range(args.rounds):
         order = (1, 2) if round_index % 2 == 0 else (2, 1)

@@ -99,7 +99,7 @@ def main() -> None:
     if "terminate_on_success" in task.option_names:
         options["terminate_on_success"] = args.reward == "success"
     if "max_episode_steps" in task.option_names:
-        options["max_episode_steps"] = task.defaults["max_episode_steps"]
+        options["max_episode_steps"] = task.max_episode_steps
     for setting in args.settings:
         noise_level, sde_mode, num_sde_steps, rollout_noise_scale = setting.split(",")
         sampler = SamplerOptions(
@@ -108,9 +108,11 @@ def main() -> None:
             num_sde_steps=int(num_sde_steps),
             rollout_noise_scale=float(rollout_noise_scale),
         )
-        policy, model_config, _, _ = load_policy_checkpoint(Path(args.checkpoint), sampler=sampler)
+        policy, model_config, _, _ = load_policy_checkpoint(
+            Path(args.checkpoint), sampler=sampler, task=task.name
+        )
         executed = model_config.executed_chunk_length
-        args.decisions = horizon or math.ceil(task.defaults["max_episode_steps"] / executed)
+        args.decisions = horizon or math.ceil(task.max_episode_steps / executed)
         env = task.make_env(args.episodes, executed, **options)
         cosines, successes = [], []
         for repeat in range(args.repeats):

@@ -210,12 +210,17 @@ def parse_config(
 
 
 # ----------------------------------------------------------------------------- task
+# The registry's task names, as the choices of --task.
+TaskName = Literal[tuple(TASKS)]  # type: ignore[valid-type]
+
+
 @dataclass
 class TaskOptions:
     """The task and its settings, shared by every example's config (its first options)."""
 
-    task: Literal["pusher", "lift", "can"] = option(
-        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift, robosuite PickPlaceCan"
+    task: TaskName = option(
+        "pusher",
+        "the task (envs.tasks): " + ", ".join(f"{name}: {t.title}" for name, t in TASKS.items()),
     )
     max_episode_steps: int = option(150, "horizon (env steps)", minimum=1)
     success_threshold: float = option(
@@ -230,10 +235,32 @@ class TaskOptions:
 
 
 def task_defaults(
-    extra: Mapping[str, Mapping[str, Any]] | None = None,
+    script: Literal["pretrain", "ppo", "dsrl", "evaluate"],
 ) -> dict[str, dict[str, Any]]:
-    """What ``--task NAME`` changes in a script's config: the task's own settings
-    (:attr:`~torchrl_flowpolicy.envs.tasks.Task.defaults`), then ``extra[NAME]`` (the
-    script's own per-task values)."""
-    extra = extra or {}
-    return {name: {**task.defaults, **extra.get(name, {})} for name, task in TASKS.items()}
+    """What ``--task NAME`` changes in ``examples/<script>.py``'s config, all read from the
+    task's registry entry (:class:`~torchrl_flowpolicy.envs.tasks.Task`): its environment
+    options (``defaults``), its demonstrations (``demos``: pretrain's ``demo_*``, the
+    ``pretrain.demo_*`` of a fine-tuning run, which pretrains when its checkpoint is
+    missing), its default paths (``output_dir``, ``pretrained_checkpoint``) and its
+    ``run_defaults[script]``."""
+    defaults = {}
+    for name, task in TASKS.items():
+        demos = {
+            "demo_episodes": task.demos.num_episodes,
+            "demo_action_noise": task.demos.action_noise,
+        }
+        if script == "pretrain":
+            paths = {"output_dir": task.output_dir("pretrain"), **demos}
+        elif script == "evaluate":
+            paths = {
+                "checkpoints": task.pretrained_checkpoint,
+                "output_json": f"{task.output_dir('evaluation')}.json",
+            }
+        else:
+            paths = {
+                "output_dir": task.output_dir(script),
+                "pretrained_checkpoint": task.pretrained_checkpoint,
+                **{f"pretrain.{option}": value for option, value in demos.items()},
+            }
+        defaults[name] = {**task.defaults, **paths, **task.run_defaults.get(script, {})}
+    return defaults

@@ -69,8 +69,12 @@ class DSRLConfig(TaskOptions):
     num_envs: int = option(16, "environments stepped in the collector's process", minimum=1)
     decisions_per_batch: int = option(2, "decisions per env between update rounds", minimum=1)
     total_env_steps: int = option(300_000, "environment steps of fine-tuning", minimum=1)
-    random_env_steps: int = option(5_000, "first env steps with uniform noise", minimum=0)
-    eval_num_steps: int = option(20, "K of the decoding ODE (training, evaluation)", minimum=1)
+    random_env_steps: int = option(
+        5_000, "first env steps act with uniform noise (no updates before)", minimum=0
+    )
+    eval_num_denoising_steps: int = option(
+        20, "K of the decoding ODE (training, evaluation and BC)", minimum=1
+    )
     # DSRL noise space and SAC.
     noise_bound: float = option(0.3, "m: the noise lies in [-m, m]^(H x D) (DSRL: 1.5)", above=0)
     utd_ratio: float = option(0.25, "gradient updates per collected decision", above=0)
@@ -119,19 +123,17 @@ QUICK = {
     "pretrain.eval_episodes": 8,
 }  # fmt: skip
 
-# What --task lift / can change: the pretraining's own task defaults.
-RUN_DEFAULTS: dict[str, dict[str, Any]] = {
-    task: {f"pretrain.{name}": value for name, value in values.items()}
-    for task, values in pretrain.DEMO_DEFAULTS.items()
-}
-
 
 def parse_args(argv: list[str] | None = None) -> DSRLConfig:
     """The command line (``--help``) as a :class:`DSRLConfig`."""
     exclude = [f"pretrain.{name}" for name in (*pretrain.RUN_SETTINGS, *pretrain.EXCLUDE)]
-    defaults = task_defaults(RUN_DEFAULTS)
     return parse_config(
-        DSRLConfig, argv, description=__doc__, quick=QUICK, task_defaults=defaults, exclude=exclude
+        DSRLConfig,
+        argv,
+        description=__doc__,
+        quick=QUICK,
+        task_defaults=task_defaults("dsrl"),  # the task's defaults: envs.tasks.TASKS
+        exclude=exclude,
     )
 
 
@@ -446,7 +448,7 @@ def main(config: DSRLConfig) -> dict:
     pretrained = Path(config.pretrained_checkpoint)
     if not pretrained.is_file():
         pretrain.main(pretrain.config_for_run(config))
-    sampler = SamplerOptions(eval_num_denoising_steps=config.eval_num_steps)
+    sampler = SamplerOptions(eval_num_denoising_steps=config.eval_num_denoising_steps)
     policy, model_config, _, pretrained_state = load_policy_checkpoint(
         pretrained, sampler=sampler, task=config.task
     )

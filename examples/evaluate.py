@@ -6,7 +6,7 @@ Loads each checkpoint (``examples/pretrain.py``'s ``policy.pt`` or ``examples/pp
 ``eval_episodes`` episodes of the ``split``'s seed range (``torchrl_flowpolicy.protocol``:
 ``curve`` from 10000, the learning curves; ``validation`` from 20000, for choosing defaults,
 hyper-parameters and the reported decoding; ``held_out`` from 30000, final numbers only)
-with the deterministic ODE (``eval_num_steps``) once per scale in ``eval_noise_scales``: the
+with the deterministic ODE (``eval_num_denoising_steps``) once per scale in ``eval_noise_scales``: the
 ODE starts from ``x_0 = scale * N(0, I)``. Scale 1 is the ``"sampled"`` decoding (the
 model's own chunk distribution, that of every learning curve); scale 0 the ``"noise_free"``
 chunk ``x_0 = 0``. With ``uniform_noise_bounds`` it also decodes noise drawn uniformly from
@@ -85,7 +85,7 @@ class EvaluateConfig(TaskOptions):
     uniform_noise_bounds: str = option(
         "", "comma-separated m: also decode uniform noise in [-m, m]^(H x D)"
     )
-    eval_num_steps: int = option(
+    eval_num_denoising_steps: int = option(
         0, "K of the deterministic ODE (0: the checkpoint's own, saved with its sampler settings)"
     )
     eval_episodes: int = option(50, "evaluation episodes (the first seeds of the split)")
@@ -118,11 +118,15 @@ class EvaluateConfig(TaskOptions):
 
 def load_checkpoint_policy(path: str, config: EvaluateConfig) -> SavedPolicy:
     """The policy of a checkpoint with its saved sampler settings (a checkpoint saved before
-    they were recorded: the defaults, K = 20), its ODE's K replaced by ``--eval_num_steps``
+    they were recorded: the defaults, K = 20), its ODE's K replaced by ``--eval_num_denoising_steps``
     when given; a checkpoint of another task than ``--task`` is refused."""
     saved = load_policy_checkpoint(Path(path), task=config.task)
-    if config.eval_num_steps:
-        saved.policy.eval_num_steps = config.eval_num_steps
+    if config.eval_num_denoising_steps:
+        options = saved.policy.options.replace(
+            eval_num_denoising_steps=config.eval_num_denoising_steps
+        )
+        saved.policy.options = options
+        saved = saved._replace(sampler=options)
     return saved
 
 
@@ -239,7 +243,7 @@ def main(config: EvaluateConfig) -> list[dict]:
         max_decisions = decisions_per_episode(config.max_episode_steps, executed)
         env = make_eval_env(config, config.eval_episodes, executed)
         for scale in scales:
-            policy.eval_noise_scale = scale
+            policy.options = policy.options.replace(eval_noise_scale=scale)
             label = f"{path}  scale {scale:g}"
             row = {"checkpoint": path, "eval_noise_scale": scale}
             rows.append(evaluate_row(policy, env, max_decisions, label, config, **row))
@@ -247,7 +251,7 @@ def main(config: EvaluateConfig) -> list[dict]:
                 videos.append(record_video(policy, executed, video_name(path, scale), config))
             progress.update(1)
         env.close()
-        policy.eval_noise_scale = 1.0
+        policy.options = policy.options.replace(eval_noise_scale=1.0)
         for bound in bounds:
             noise_env = make_eval_env(config, config.eval_episodes, executed)
             noise_env.append_transform(NoiseActionTransform(policy, noise_bound=bound))
@@ -273,4 +277,4 @@ def main(config: EvaluateConfig) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(parse_config(EvaluateConfig, description=__doc__, task_defaults=task_defaults()))
+    main(parse_config(EvaluateConfig, description=__doc__, task_defaults=task_defaults("evaluate")))

@@ -91,8 +91,10 @@ class PPOConfig(TaskOptions):
     rollout_noise_scale: float = option(
         1.0, "std of the rollouts' (and the learning curve's) x_0", minimum=0
     )
-    num_steps: int = option(8, "K: denoising steps of rollouts and of the learner", minimum=1)
-    eval_num_steps: int = option(20, "K of the deterministic evaluation ODE", minimum=1)
+    num_denoising_steps: int = option(
+        8, "K: denoising steps of rollouts and of the learner", minimum=1
+    )
+    eval_num_denoising_steps: int = option(20, "K of the deterministic evaluation ODE", minimum=1)
     sde_mode: Literal["mixed", "last", "all"] = option(
         "last", "stochastic steps: one random step (mixed), the last num_sde_steps, all"
     )
@@ -178,43 +180,24 @@ QUICK = {
 }  # fmt: skip
 
 
-def pretrain_defaults(task: str) -> dict[str, Any]:
-    """The pretraining's own defaults for ``--task``, as options of this script."""
-    return {f"pretrain.{name}": value for name, value in pretrain.DEMO_DEFAULTS[task].items()}
-
-
-# What --task lift / can change (robosuite; torchrl_flowpolicy.envs.robosuite_tasks). Lift:
-# docs/robosuite.md's recipe (25 demonstrations to 93.5-98 % noise-free on the held-out
-# states in 600k env steps): 48 envs x 15 decisions, two minibatches, strong
-# self-imitation, a larger actor step, the sparse success reward as is. Can: 16 envs x 63.
-RUN_DEFAULTS: dict[str, dict[str, Any]] = {
-    "lift": {
-        **pretrain_defaults("lift"), "num_envs": 48, "minibatch_size": 360, "bc_coeff": 1.0,
-        "actor_learning_rate": 1e-4, "reward_scale": 1.0, "total_env_steps": 600_000,
-        "eval_every": 10, "checkpoint_every": 10,
-    },
-    "can": {
-        **pretrain_defaults("can"), "minibatch_size": 504, "reward_scale": 1.0,
-        "total_env_steps": 500_000, "eval_every": 5, "checkpoint_every": 5,
-    },
-}  # fmt: skip
-
-
 def parse_args(argv: list[str] | None = None) -> PPOConfig:
     """The command line (``--help``) as a :class:`PPOConfig`."""
     exclude = [f"pretrain.{name}" for name in (*pretrain.RUN_SETTINGS, *pretrain.EXCLUDE)]
-    defaults = task_defaults(RUN_DEFAULTS)
     return parse_config(
-        PPOConfig, argv, description=__doc__, quick=QUICK, task_defaults=defaults, exclude=exclude
+        PPOConfig,
+        argv,
+        description=__doc__,
+        quick=QUICK,
+        task_defaults=task_defaults("ppo"),  # the task's defaults: envs.tasks.TASKS
+        exclude=exclude,
     )
 
 
 def sampler_options(config: PPOConfig) -> SamplerOptions:
-    """The flow policy's sampler settings, in one place. The evaluation's ``x_0`` has the
-    rollouts' scale: the learning curve decodes as the policy was trained."""
+    """The flow policy's sampler settings (rollouts, learner, evaluation)."""
     return SamplerOptions(
-        num_denoising_steps=config.num_steps,
-        eval_num_denoising_steps=config.eval_num_steps,
+        num_denoising_steps=config.num_denoising_steps,
+        eval_num_denoising_steps=config.eval_num_denoising_steps,
         noise_level=config.noise_level,
         rollout_noise_scale=config.rollout_noise_scale,
         eval_noise_scale=config.rollout_noise_scale,

@@ -435,7 +435,7 @@ def test_lift_defaults_are_the_fine_tuning_recipe(example):
     standalone = parse_config(
         pretrain.PretrainConfig,
         ["--task", "lift"],
-        task_defaults=task_defaults(pretrain.DEMO_DEFAULTS),
+        task_defaults=task_defaults("pretrain"),
         exclude=pretrain.EXCLUDE,
     )
     assert standalone.demo_episodes == 25

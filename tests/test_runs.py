@@ -48,14 +48,15 @@ def tiny_policy(sampler: SamplerOptions | None = None, observation_dim: int = 23
 
 
 def sampler_of(policy) -> tuple:
+    options = policy.options
     return (
-        policy.num_steps,
-        policy.eval_num_steps,
-        policy.noise_level,
-        policy.sde_mode,
-        policy.num_sde_steps,
-        policy.rollout_noise_scale,
-        policy.eval_noise_scale,
+        options.num_denoising_steps,
+        options.eval_num_denoising_steps,
+        options.noise_level,
+        options.sde_mode,
+        options.num_sde_steps,
+        options.rollout_noise_scale,
+        options.eval_noise_scale,
     )
 
 
@@ -64,7 +65,7 @@ def test_a_saved_policy_comes_back_with_its_sampler_settings_weights_and_task(tm
     save_policy(tmp_path / "policy.pt", policy, config, task="pusher", summary="{}")
     state = load_checkpoint(tmp_path / "policy.pt")
     assert state["sampler"] == SAMPLER.to_dict() and state["task"] == "pusher"
-    assert state["observation_layout"] == {"in_keys": ["observation"], "observation_dim": 23}
+    assert state["observation"] == {"key": "observation", "dim": 23}
     assert state["noise"] == {"kind": "fixed"} and state["summary"] == "{}"
 
     with warnings.catch_warnings():
@@ -76,7 +77,7 @@ def test_a_saved_policy_comes_back_with_its_sampler_settings_weights_and_task(tm
     # Other settings on request; the saved ones are reported beside the policy.
     other = SamplerOptions(num_denoising_steps=2)
     saved = load_policy_checkpoint(tmp_path / "policy.pt", sampler=other)
-    assert saved.policy.num_steps == 2 and saved.sampler == other
+    assert saved.policy.num_denoising_steps == 2 and saved.sampler == other
     assert saved.model_config == config
 
 
@@ -86,7 +87,7 @@ def test_a_checkpoint_saved_before_the_sampler_settings_loads_with_the_defaults_
     policy, config = tiny_policy(SAMPLER)
     save_policy(tmp_path / "policy.pt", policy, config)
     state = load_checkpoint(tmp_path / "policy.pt")
-    for name in ("sampler", "noise", "observation_layout"):
+    for name in ("sampler", "noise", "observation"):
         del state[name]
     save_checkpoint(state, tmp_path / "old.pt")
     with pytest.warns(
@@ -96,18 +97,18 @@ def test_a_checkpoint_saved_before_the_sampler_settings_loads_with_the_defaults_
     assert sampler_of(loaded) == sampler_of(tiny_policy()[0])  # FlowSDEPolicy's defaults
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # chosen settings: nothing to warn about
-        assert load_policy(tmp_path / "old.pt", sampler=SAMPLER).num_steps == 4
+        assert load_policy(tmp_path / "old.pt", sampler=SAMPLER).num_denoising_steps == 4
 
 
 def test_a_checkpoint_of_another_task_is_refused_naming_both_tasks(tmp_path):
     policy, config = tiny_policy()
     save_policy(tmp_path / "pusher.pt", policy, config, task="pusher")
-    with pytest.raises(ValueError, match="trained on 'pusher', not on this run's task 'lift'"):
+    with pytest.raises(ValueError, match="holds a policy of task 'pusher' .*not of this run's task 'lift'"):
         load_policy(tmp_path / "pusher.pt", task="lift")
-    assert load_policy(tmp_path / "pusher.pt", task="pusher").num_steps == 8
+    assert load_policy(tmp_path / "pusher.pt", task="pusher").num_denoising_steps == 8
     # Saved before tasks were recorded: told apart by the observation size.
     save_policy(tmp_path / "untagged.pt", policy, config)
-    with pytest.raises(ValueError, match="observation size 23, not 60.*'lift'"):
+    with pytest.raises(ValueError, match=r"records no task; its 23 observation features are those of task 'pusher'.*'lift'"):
         load_policy(tmp_path / "untagged.pt", task="lift")
     load_policy(tmp_path / "untagged.pt", task="pusher")
 

@@ -51,9 +51,8 @@ def make_policy() -> FlowSDEPolicy:
     return FlowSDEPolicy(
         network,
         action_shape=(CHUNK_LENGTH, ACTION_DIM),
-        num_steps=4,
         executed_chunk_length=EXECUTED,
-        sde_mode="all",
+        options=SamplerOptions(num_denoising_steps=4, sde_mode="all"),
     )
 
 

@@ -27,7 +27,7 @@ Example:
     >>> policy = build_policy(config, normalizer, SamplerOptions(num_denoising_steps=4))
     >>> path = Path(tempfile.mkdtemp()) / "policy.pt"
     >>> save_policy(path, policy, config, task="pusher")
-    >>> load_policy(path).num_steps
+    >>> load_policy(path).num_denoising_steps
     4
 """
 
@@ -98,36 +98,6 @@ class ModelConfig:
 TASK_MODEL_FIELDS = ("observation_dim", "action_dim")
 
 
-def _policy_arguments(sampler: SamplerOptions) -> dict[str, Any]:
-    """:class:`~torchrl_flowpolicy.FlowSDEPolicy`'s keyword arguments for ``sampler``."""
-    return {
-        "num_steps": sampler.num_denoising_steps,
-        "eval_num_steps": sampler.eval_num_denoising_steps,
-        "noise_level": sampler.noise_level,
-        "sde_mode": sampler.sde_mode,
-        "num_sde_steps": sampler.num_sde_steps,
-        "shift": sampler.shift,
-        "noise_schedule": sampler.noise_schedule,
-        "rollout_noise_scale": sampler.rollout_noise_scale,
-        "eval_noise_scale": sampler.eval_noise_scale,
-    }
-
-
-def _sampler_options(policy: FlowSDEPolicy) -> SamplerOptions:
-    """The sampler settings ``policy`` has now (those a checkpoint saves)."""
-    return SamplerOptions(
-        num_denoising_steps=policy.num_steps,
-        eval_num_denoising_steps=policy.eval_num_steps,
-        noise_level=policy.noise_level,
-        sde_mode=policy.sde_mode,
-        num_sde_steps=policy.num_sde_steps,
-        shift=policy.shift,
-        noise_schedule=policy.noise_schedule,
-        rollout_noise_scale=policy.rollout_noise_scale,
-        eval_noise_scale=policy.eval_noise_scale,
-    )
-
-
 def build_policy(
     model_config: ModelConfig,
     normalizer: ObservationNormalizer,
@@ -154,7 +124,7 @@ def build_policy(
         action_shape=(model_config.chunk_length, model_config.action_dim),
         encoder=encoder,
         executed_chunk_length=model_config.executed_chunk_length,
-        **_policy_arguments(sampler or SamplerOptions()),
+        options=sampler,
     )
 
 
@@ -206,13 +176,15 @@ def policy_record(
     """What a checkpoint records beside the weights (``"policy"``) to rebuild ``policy``
     (:func:`load_policy`): the architecture, the sampler settings, the exploration noise, the
     observation layout and (with ``task``) the task it was trained on."""
+    keys = [key if isinstance(key, str) else list(key) for key in policy.in_keys]
     record = {
         "model_config": asdict(model_config),
-        "sampler": _sampler_options(policy).to_dict(),
+        "sampler": policy.options.to_dict(),
         "noise": noise_record(policy),
-        "observation_layout": {
-            "in_keys": [key if isinstance(key, str) else list(key) for key in policy.in_keys],
-            "observation_dim": model_config.observation_dim,
+        # The entries the policy reads and the observation size (Task.checkpoint_identity).
+        "observation": {
+            "key": keys[0] if len(keys) == 1 else keys,
+            "dim": model_config.observation_dim,
         },
     }
     return record if task is None else {**record, "task": task}
@@ -241,25 +213,6 @@ class SavedPolicy(NamedTuple):
     checkpoint: dict[str, Any]
 
 
-def _check_task(path: str | Path, state: dict[str, Any], model_config: ModelConfig, task: str):
-    """Refuse the checkpoint of another task: its recorded task, or (a checkpoint saved
-    before tasks were recorded) an observation size other than the task's."""
-    saved = state.get("task")
-    if saved is None:
-        from torchrl_flowpolicy.envs import get_task  # the simulators' registry, only here
-
-        expected = get_task(task).observation_dim
-        if model_config.observation_dim == expected:
-            return
-        saved = f"another task (observation size {model_config.observation_dim}, not {expected})"
-    if saved != task:
-        raise ValueError(
-            f"the policy checkpoint at {path} was trained on {saved!r}, not on this run's task "
-            f"{task!r}: pass the checkpoint of a {task!r} pretraining (--pretrained_checkpoint),"
-            f" or run the task the checkpoint was trained on."
-        )
-
-
 def load_policy_checkpoint(
     path: str | Path, *, sampler: SamplerOptions | None = None, task: str | None = None
 ) -> SavedPolicy:
@@ -277,9 +230,11 @@ def load_policy_checkpoint(
         ValueError: ``task`` differs from the checkpoint's (naming both), or a corrupt file.
     """
     state = load_checkpoint(path)
-    model_config = ModelConfig(**state["model_config"])
     if task is not None:
-        _check_task(path, state, model_config, task)
+        from torchrl_flowpolicy.envs import get_task  # the task registry, only when asked
+
+        get_task(task).check_checkpoint(state, f"the checkpoint at {path}")
+    model_config = ModelConfig(**state["model_config"])
     if sampler is None and "sampler" in state:
         sampler = SamplerOptions.from_dict(state["sampler"])
     elif sampler is None:
