@@ -17,11 +17,11 @@ initial states depend on the run seed and the iteration alone (over all workers 
 count groups: the ``group_size`` environments of a group start from one state.
 
 Example:
-    >>> from torchrl_flowpolicy import FlowSDEPolicy
+    >>> from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions
     >>> from torchrl_flowpolicy.networks import MLPVelocityNetwork
     >>> policy = FlowSDEPolicy(
     ...     MLPVelocityNetwork(23, (4, 7), hidden_dim=16), action_shape=(4, 7),
-    ...     num_steps=4, executed_chunk_length=2,
+    ...     options=SamplerOptions(num_denoising_steps=4), executed_chunk_length=2,
     ... )
     >>> make_env = TaskEnvFactory("pusher", 2, {"max_episode_steps": 6})
     >>> options = CollectorOptions(num_envs=2)
