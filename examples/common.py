@@ -151,6 +151,17 @@ def _add_options(
         )
 
 
+def _with_option(config: Any, name: str, value: Any) -> Any:
+    """``config`` with its (nested) option ``name`` (``"sampler.noise_level"``) set to
+    ``value``; a frozen dataclass (``SamplerOptions``) is replaced, not changed."""
+    head, _, rest = name.partition(".")
+    value = _with_option(getattr(config, head), rest, value) if rest else value
+    if config.__dataclass_params__.frozen:
+        return dataclasses.replace(config, **{head: value})
+    setattr(config, head, value)
+    return config
+
+
 def parse_config(
     config_class: type[Config],
     argv: Sequence[str] | None = None,
@@ -198,11 +209,8 @@ def parse_config(
     }
     config = config_class(**{name: value for name, value in values.items() if "." not in name})
     for name, value in values.items():
-        *parents, leaf = name.split(".")
-        target = config
-        for parent in parents:
-            target = getattr(target, parent)
-        setattr(target, leaf, value)
+        if "." in name:
+            config = _with_option(config, name, value)
     errors = config_errors(config)
     if errors:  # argparse's way: usage, the errors, exit status 2
         parser.error("\n  ".join(["invalid options:", *errors]))
