@@ -1,10 +1,10 @@
 """A robosuite scripted expert's success and episode lengths, with action noise.
 
-The tables in ``torchrl_flowpolicy.envs.robosuite_experts`` come from this script: the expert
-(``LiftExpert`` or ``CanExpert``, built with ``from_env``) runs ``--episodes`` episodes from
-reset seeds ``--first_seed`` on (never used for tuning), Gaussian noise of standard deviation
-``--action_noise`` added to all 7 action entries and clipped, success ending an episode, up
-to ``--horizon`` steps. Prints one JSON line: the success rate, the successful episodes'
+The tables in ``torchrl_flowpolicy.envs.lift_expert`` and ``torchrl_flowpolicy.envs.can_expert``
+come from this script: the expert (``LiftExpert`` or ``CanExpert``, built with ``from_env``)
+runs ``--episodes`` episodes from reset seeds ``--first_seed`` on (never used for tuning),
+Gaussian noise of standard deviation ``--action_noise`` added to all 7 action entries and
+clipped, success ending an episode, up to ``--horizon`` steps. Prints one JSON line: the success rate, the successful episodes'
 length (mean, median, p90, max) and the success within shorter limits.
 
 Run (robosuite extra)::

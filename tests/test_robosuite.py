@@ -1,8 +1,10 @@
 """robosuite Lift and PickPlaceCan: the gymnasium adapter, the TorchRL environments, the
 experts and their demos.
 
-Covers :mod:`torchrl_flowpolicy.envs.robosuite_tasks` and
-:mod:`~torchrl_flowpolicy.envs.robosuite_experts`. Skipped when robosuite is not installed.
+Covers :mod:`torchrl_flowpolicy.envs.robosuite_tasks` (and its layout,
+:mod:`~torchrl_flowpolicy.envs.robosuite_layout`), the experts of
+:mod:`~torchrl_flowpolicy.envs.lift_expert` and :mod:`~torchrl_flowpolicy.envs.can_expert`,
+and :mod:`~torchrl_flowpolicy.envs.robosuite_experts`. Skipped when robosuite is not installed.
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ pytest.importorskip("robosuite")
 from torchrl.envs.utils import check_env_specs  # noqa: E402
 
 from torchrl_flowpolicy.envs.batched import BatchedGymEnv  # noqa: E402
+from torchrl_flowpolicy.envs.can_expert import CAN_COMPARTMENT, CanExpert  # noqa: E402
+from torchrl_flowpolicy.envs.lift_expert import LiftExpert  # noqa: E402
 from torchrl_flowpolicy.envs.robosuite_experts import (  # noqa: E402
-    CAN_COMPARTMENT,
-    CanExpert,
-    LiftExpert,
     RobosuiteExpertPolicy,
     collect_robosuite_demos,
 )
