@@ -237,15 +237,18 @@ class FlowSampler(nn.Module):
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             return self.encoder(*observations)
 
-    def velocity(self, context: Context) -> Callable[..., Tensor]:
+    def velocity(self, context: Context, network_dtype: torch.dtype | None = None) -> Callable:
         """The network as ``velocity(x, sigma[, decision_index])`` in the chain's dtype
-        (:func:`flow.network_velocity <torchrl_flowpolicy.flow.network_velocity>`)."""
-        return flow.network_velocity(self.velocity_network, context, self.network_dtype, self.dtype)
+        (:func:`flow.network_velocity <torchrl_flowpolicy.flow.network_velocity>`);
+        ``network_dtype`` defaults to :attr:`network_dtype` (a walk over the parameters)."""
+        network_dtype = network_dtype or self.network_dtype
+        dtype = flow.probability_dtype(network_dtype)
+        return flow.network_velocity(self.velocity_network, context, network_dtype, dtype)
 
-    def noise_std(self, context: Context) -> Callable[..., Tensor]:
-        """The noise head as the ``noise_std`` callback of :mod:`~torchrl_flowpolicy.flow`."""
-        head = self.noise_head
-        return flow.network_velocity(head, context, parameter_dtype(head), self.dtype, "noise_head")
+    def noise_std(self, context: Context, dtype: torch.dtype | None = None) -> Callable:
+        """The noise head as the ``noise_std`` callback, in ``dtype`` (default :attr:`dtype`)."""
+        head, dtype = self.noise_head, dtype or self.dtype
+        return flow.network_velocity(head, context, parameter_dtype(head), dtype, "noise_head")
 
     def _integrate(
         self,
@@ -254,18 +257,19 @@ class FlowSampler(nn.Module):
         num_denoising_steps: int,
         sde_mask: Tensor | None = None,
         step_noise: Tensor | None = None,
+        network_dtype: torch.dtype | None = None,
     ) -> tuple[flow.IntegratedChain, SamplingSchedule]:
-        schedule = self.schedule(num_denoising_steps, initial_noise.dtype, initial_noise.device)
+        dtype, network_dtype = initial_noise.dtype, network_dtype or self.network_dtype
+        schedule = self.schedule(num_denoising_steps, dtype, initial_noise.device)
         learned = self.noise_head is not None and sde_mask is not None
-        noise_std, dtype = self.noise_std(context) if learned else None, self.network_dtype
-        velocity = self.velocity(context)
+        noise_std = self.noise_std(context, dtype) if learned else None
         integrated = flow.integrate(
-            velocity,
+            self.velocity(context, network_dtype),
             initial_noise,
             schedule,
             sde_mask,
             step_noise,
-            sigma_dtype=dtype,
+            sigma_dtype=network_dtype,
             noise_std=noise_std,
         )
         return integrated, schedule
@@ -273,8 +277,8 @@ class FlowSampler(nn.Module):
     @torch.no_grad()
     def sample(self, context: Context, num_decisions: int) -> SampledChain:
         """One rollout chain for each of the ``num_decisions`` decisions of ``context``."""
-        options, dtype, device = self.options, self.dtype, _context_device(context)
-        total_steps = options.num_denoising_steps
+        options, network_dtype, device = self.options, self.network_dtype, _context_device(context)
+        dtype, total_steps = flow.probability_dtype(network_dtype), options.num_denoising_steps
         noise = torch.randn(
             (num_decisions, total_steps + 1, *self.chunk_shape), dtype=dtype, device=device
         )
@@ -288,7 +292,7 @@ class FlowSampler(nn.Module):
             # No noise, no Gaussian step: the chain is the Euler ODE and has no density.
             sde_mask = torch.zeros_like(sde_mask)
         integrated, schedule = self._integrate(
-            context, noise[:, 0], total_steps, sde_mask, noise[:, 1:]
+            context, noise[:, 0], total_steps, sde_mask, noise[:, 1:], network_dtype
         )
         chain, executed = integrated.chain, self.executed_chunk_length
         std = schedule.std if integrated.step_std is None else integrated.step_std
@@ -343,10 +347,8 @@ class FlowSampler(nn.Module):
         """
         total_steps = self.options.num_denoising_steps
         expected = (total_steps + 1, *self.chunk_shape)
-        if tuple(chain.shape[1:]) != expected or tuple(sde_mask.shape) != (
-            len(chain),
-            total_steps,
-        ):
+        mask_shape = (len(chain), total_steps)
+        if tuple(chain.shape[1:]) != expected or tuple(sde_mask.shape) != mask_shape:
             raise ValueError(
                 f"{chain_name} has shape {tuple(chain.shape)} and {sde_mask_name} "
                 f"{tuple(sde_mask.shape)}; expected (N, {', '.join(map(str, expected))}) and "
@@ -355,14 +357,15 @@ class FlowSampler(nn.Module):
             )
         if check_data:
             flow.check_sde_mask(sde_mask, sde_mask_name)
-        learned = self.noise_head is not None
+        network_dtype = self.network_dtype  # one walk over the parameters per call
+        dtype, learned = flow.probability_dtype(network_dtype), self.noise_head is not None
         steps = flow.stochastic_steps(
-            self.velocity(context),
-            chain.to(self.dtype),
+            self.velocity(context, network_dtype),
+            chain.to(dtype),
             sde_mask,
-            self.schedule(total_steps, self.dtype, chain.device),
+            self.schedule(total_steps, dtype, chain.device),
             self.executed_chunk_length,
-            self.noise_std(context) if learned else None,
+            self.noise_std(context, dtype) if learned else None,
         )
         flow.check_stochastic_steps(steps, chain, check_samples=check_data, chain_name=chain_name)
         return steps
