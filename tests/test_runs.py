@@ -103,12 +103,17 @@ def test_a_checkpoint_saved_before_the_sampler_settings_loads_with_the_defaults_
 def test_a_checkpoint_of_another_task_is_refused_naming_both_tasks(tmp_path):
     policy, config = tiny_policy()
     save_policy(tmp_path / "pusher.pt", policy, config, task="pusher")
-    with pytest.raises(ValueError, match="holds a policy of task 'pusher' .*not of this run's task 'lift'"):
+    with pytest.raises(
+        ValueError, match="holds a policy of task 'pusher' .*not of this run's task 'lift'"
+    ):
         load_policy(tmp_path / "pusher.pt", task="lift")
     assert load_policy(tmp_path / "pusher.pt", task="pusher").num_denoising_steps == 8
     # Saved before tasks were recorded: told apart by the observation size.
     save_policy(tmp_path / "untagged.pt", policy, config)
-    with pytest.raises(ValueError, match=r"records no task; its 23 observation features are those of task 'pusher'.*'lift'"):
+    with pytest.raises(
+        ValueError,
+        match=r"records no task; its 23 observation features are those of task 'pusher'.*'lift'",
+    ):
         load_policy(tmp_path / "untagged.pt", task="lift")
     load_policy(tmp_path / "untagged.pt", task="pusher")
 
