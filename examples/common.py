@@ -13,9 +13,11 @@ without a default is a required option. ``--help`` prints every field's help tex
 default. A script that passes ``quick=`` also gets ``--quick``: its values replace
 the defaults, and options typed on the command line win over them. A number's bounds
 (``option(..., minimum=1)``) are checked on the resulting config, before any work: a value
-out of bounds exits with argparse's error naming the option. So do options that contradict
-each other, which a config lists in its ``option_conflicts()`` method (e.g. ``--num_envs``
-not a multiple of ``--group_size``).
+out of bounds exits with argparse's error naming the option. So does an option given a
+value other than its default without the setting it ``requires``
+(``option(..., requires=("noise", "learned"))``), and options that contradict each other,
+which a config lists in its ``option_conflicts()`` method (e.g. ``--num_envs`` not a
+multiple of ``--group_size``).
 
 Why this small builder rather than ``tyro``: tyro would read the same dataclasses, but
 adds a dependency whose defaults (kebab-case flags, its own boolean and nested-option
@@ -31,8 +33,12 @@ import dataclasses
 import typing
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import MISSING, dataclass
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import torch
+
+from torchrl_flowpolicy import runs
 from torchrl_flowpolicy.envs import TASKS
 
 Config = TypeVar("Config")
@@ -47,13 +53,17 @@ def option(
     minimum: float | None = None,
     above: float | None = None,
     maximum: float | None = None,
+    requires: tuple[str, Any] | None = None,
 ) -> Any:
-    """A config field: its default (or ``default_factory``), the line ``--help`` prints and
-    the bounds of a number (``minimum <= value``, ``above < value``, ``value <= maximum``),
-    which :func:`validate_config` checks."""
+    """A config field: its default (or ``default_factory``), the line ``--help`` prints,
+    the bounds of a number (``minimum <= value``, ``above < value``, ``value <= maximum``)
+    and the ``(option, value)`` it ``requires`` to be given another value than its default
+    (``--help`` says so), which :func:`validate_config` checks."""
     if not help:
         raise ValueError("every option needs a help text.")
-    bounds = {"minimum": minimum, "above": above, "maximum": maximum}
+    if requires is not None:
+        help = f"{help} (only with --{requires[0]} {requires[1]})"
+    bounds = {"minimum": minimum, "above": above, "maximum": maximum, "requires": requires}
     return dataclasses.field(
         default=default,
         default_factory=default_factory,
@@ -67,9 +77,10 @@ def option(
 def config_errors(config: Any, prefix: str = "") -> list[str]:
     """What is wrong with ``config``'s options: one line per value outside the bounds of its
     :func:`option`, naming the option as the command line spells it (nested dataclasses
-    too; NaN is outside any bound), then the lines of the config's ``option_conflicts()``
-    method, if it has one (options that contradict each other, each line naming them)."""
-    errors = []
+    too; NaN is outside any bound), one line per setting that options given without it
+    require, naming them, then the lines of the config's ``option_conflicts()`` method, if
+    it has one (options that contradict each other, each line naming them)."""
+    errors, unmet = [], {}
     for item in dataclasses.fields(config):
         name, value = f"{prefix}{item.name}", getattr(config, item.name)
         if dataclasses.is_dataclass(value):
@@ -86,6 +97,11 @@ def config_errors(config: Any, prefix: str = "") -> list[str]:
             errors.append(
                 f"--{name} {value}: must be {' and '.join(expected)} ({item.metadata['help']})"
             )
+        required = item.metadata.get("requires")
+        if required and value != item.default and getattr(config, required[0]) != required[1]:
+            unmet.setdefault(required, []).append(f"--{name} {value}")
+    for (required, wanted), given in unmet.items():
+        errors.append(f"{' '.join(given)}: only with --{required} {wanted}")
     conflicts = getattr(config, "option_conflicts", None)
     if callable(conflicts):
         errors += list(conflicts())
@@ -104,6 +120,22 @@ def validate_config(config: Any) -> None:
     errors = config_errors(config)
     if errors:
         raise ValueError("invalid options:\n  " + "\n  ".join(errors))
+
+
+def check_run_config(config: Any) -> torch.device:
+    """Refuse, before any work, a fine-tuning config (``examples/ppo.py``, ``dsrl.py``) that
+    the run could not carry out; returns the run's device.
+
+    Raises:
+        ValueError: options out of bounds or contradicting each other
+            (:func:`validate_config`), an unavailable ``--device``.
+        FileNotFoundError: ``--resume`` without a checkpoint in ``output_dir``.
+    """
+    validate_config(config)
+    device = runs.resolve_device(config.device)
+    if config.resume:
+        runs.require_run_checkpoint(Path(config.output_dir) / "checkpoint.pt")
+    return device
 
 
 def _add_options(

@@ -30,16 +30,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from tensordict import TensorDict, TensorDictBase
-from torchrl.collectors import Collector
+from tensordict import TensorDictBase
 from torchrl.data import Composite, LazyTensorStorage, RandomSampler, ReplayBuffer
 from torchrl.envs import EnvBase
-from torchrl.envs.utils import ExplorationType
 from torchrl.modules import ProbabilisticActor
 from torchrl.objectives import SACLoss, SoftUpdate
 from tqdm import tqdm
 
-from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions, collectors, reports, runs
+from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions, collectors, episodes, reports, runs
 from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform
 from torchrl_flowpolicy.dsrl_networks import (
     make_noise_actor,
@@ -47,13 +45,11 @@ from torchrl_flowpolicy.dsrl_networks import (
     target_entropy_per_dim,
 )
 from torchrl_flowpolicy.envs import decision_discount, get_task
-from torchrl_flowpolicy.evaluation import evaluate_policy
-from torchrl_flowpolicy.loggers import MetricLogger
-from torchrl_flowpolicy.models import ModelConfig, load_policy_checkpoint
-from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed
+from torchrl_flowpolicy.loggers import MetricLogger, MetricWindow
+from torchrl_flowpolicy.protocol import training_seed
 
 import pretrain
-from common import TaskOptions, option, parse_config, task_defaults, validate_config
+from common import TaskOptions, check_run_config, option
 
 
 # ----------------------------------------------------------------------------- config
@@ -107,34 +103,31 @@ class DSRLConfig(TaskOptions):
     resume: bool = option(False, "continue from output_dir/checkpoint.pt")
     threads: int = option(1, "torch CPU threads", minimum=1)
     device: str = option("cpu", "torch device of the policies, SAC, env tensors and buffer")
-    pretrain: pretrain.PretrainConfig = option(
-        default_factory=pretrain.PretrainConfig,
-        help="behaviour cloning, run when pretrained_checkpoint is missing (with this run's "
-        "seed and task settings; it writes pretrained_checkpoint)",
-    )
+    pretrain: pretrain.PretrainConfig = pretrain.run_option()
 
 
 # What --quick changes: the whole chain in under a minute.
 QUICK = {
-    "num_envs": 4, "total_env_steps": 4 * 150 * 2, "random_env_steps": 4 * 150 // 2,
-    "utd_ratio": 1.0, "critic_warmup_updates": 50, "batch_size": 64, "hidden_dim": 64,
-    "eval_every_env_steps": 600, "log_every_env_steps": 300, "checkpoint_every_env_steps": 600,
-    "eval_episodes": 8, "held_out_episodes": 8, "pretrain.train_steps": 150,
+    "num_envs": 4,
+    "total_env_steps": 4 * 150 * 2,
+    "random_env_steps": 4 * 150 // 2,
+    "utd_ratio": 1.0,
+    "critic_warmup_updates": 50,
+    "batch_size": 64,
+    "hidden_dim": 64,
+    "eval_every_env_steps": 600,
+    "log_every_env_steps": 300,
+    "checkpoint_every_env_steps": 600,
+    "eval_episodes": 8,
+    "held_out_episodes": 8,
+    "pretrain.train_steps": 150,
     "pretrain.eval_episodes": 8,
-}  # fmt: skip
+}
 
 
 def parse_args(argv: list[str] | None = None) -> DSRLConfig:
-    """The command line (``--help``) as a :class:`DSRLConfig`."""
-    exclude = [f"pretrain.{name}" for name in (*pretrain.RUN_SETTINGS, *pretrain.EXCLUDE)]
-    return parse_config(
-        DSRLConfig,
-        argv,
-        description=__doc__,
-        quick=QUICK,
-        task_defaults=task_defaults("dsrl"),  # the task's defaults: envs.tasks.TASKS
-        exclude=exclude,
-    )
+    """The command line (``--help``) as a :class:`DSRLConfig`, with the task's defaults."""
+    return pretrain.parse_run_args(DSRLConfig, argv, "dsrl", description=__doc__, quick=QUICK)
 
 
 # ----------------------------------------------------------------------------- env
@@ -146,9 +139,13 @@ def make_noise_env(
     device = policy.encoder[0].loc.device
     options = reports.task_options(config)
     env = collectors.make_task_env(
-        config.task, num_envs, executed_chunk_length, task_options=options, count_steps=True,
+        config.task,
+        num_envs,
+        executed_chunk_length,
+        task_options=options,
+        count_steps=True,
         device=device,
-    )  # fmt: skip
+    )
     return env.append_transform(NoiseActionTransform(policy, noise_bound=config.noise_bound))
 
 
@@ -182,15 +179,23 @@ def make_learner(
     """The noise actor and its SAC learner (automatic temperature, decision discount)."""
     sizes = {"hidden_dim": config.hidden_dim, "num_layers": config.num_layers}
     actor = make_noise_actor(
-        policy, noise_spec, noise_bound=config.noise_bound, zero_mean_init=config.zero_mean_init,
+        policy,
+        noise_spec,
+        noise_bound=config.noise_bound,
+        zero_mean_init=config.zero_mean_init,
         **sizes,
-    )  # fmt: skip
+    )
     critic = make_noise_critic(policy, **sizes)
     target = target_entropy_per_dim(config.noise_bound, config.target_entropy_per_dim)
     loss_module = SACLoss(
-        actor, critic, num_qvalue_nets=2, loss_function="l2", alpha_init=config.alpha_init,
-        action_spec=noise_spec, target_entropy=target * policy.action_shape.numel(),
-    )  # fmt: skip
+        actor,
+        critic,
+        num_qvalue_nets=2,
+        loss_function="l2",
+        alpha_init=config.alpha_init,
+        action_spec=noise_spec,
+        target_entropy=target * policy.action_shape.numel(),
+    )
     loss_module.make_value_estimator(gamma=decision_discount(config.gamma, executed_chunk_length))
     target_updater = SoftUpdate(loss_module, tau=config.tau)
     actor_optimizer = torch.optim.Adam(
@@ -217,35 +222,12 @@ class Progress:
     history: list[dict] = field(default_factory=list)
 
 
-@dataclass
-class LogWindow:
-    """Training metrics and timings gathered between two logged rows."""
-
-    metrics: dict[str, list[float]] = field(default_factory=dict)
-    collect_seconds: float = 0.0
-    update_seconds: float = 0.0
-    env_steps: int = 0
-    updates: int = 0
-
-    def add(self, name: str, value: float) -> None:
-        self.metrics.setdefault(name, []).append(value)
-
-    def row(self, updates: int) -> dict[str, float]:
-        """The means, the throughput and the update count, with ``loss_*`` as ``loss/*``."""
-        row = {name: sum(values) / len(values) for name, values in self.metrics.items()}
-        row["perf/env_steps_per_second"] = self.env_steps / max(self.collect_seconds, 1e-9)
-        if self.updates:
-            row["perf/updates_per_second"] = self.updates / max(self.update_seconds, 1e-9)
-        row["updates"] = updates
-        return {name.replace("loss_", "loss/"): value for name, value in row.items()}
-
-
 def dsrl_iteration(
     batch: TensorDictBase,
     learner: Learner,
     replay_buffer: ReplayBuffer,
     run: Progress,
-    window: LogWindow,
+    window: MetricWindow,
     config: DSRLConfig,
     executed_chunk_length: int,
 ) -> None:
@@ -254,17 +236,12 @@ def dsrl_iteration(
     ``utd_ratio`` updates per collected decision (the fraction carried over in
     ``run.update_credit``), once the buffer holds the uniform-noise warm-up.
     """
-    done = batch["next", "done"].squeeze(-1)
     new_env_steps = collectors.env_steps(batch)
     run.iteration += 1
     run.env_steps += new_env_steps
     window.env_steps += new_env_steps
-    if done.any():
-        window.add(
-            "train/episode_success",
-            batch["next", "success"].squeeze(-1)[done].float().mean().item(),
-        )
-    window.add("train/chunk_reward", batch["next", "reward"].mean().item())
+    for name, value in episodes.batch_statistics(batch).items():  # success, chunk reward
+        window.add(name, value)
     window.add("train/noise_abs", batch["action"].abs().mean().item())
     window.add("train/chunk_abs", batch[("next", *DECODED_ACTION_KEY)].abs().mean().item())
     batch["next", "reward"] = batch["next", "reward"] * config.reward_scale
@@ -287,7 +264,7 @@ def sac_update(
     learner: Learner,
     minibatch: TensorDictBase,
     run: Progress,
-    window: LogWindow,
+    window: MetricWindow,
     config: DSRLConfig,
 ) -> None:
     """One gradient step of SAC (of the critics only during ``critic_warmup_updates``)."""
@@ -310,59 +287,7 @@ def sac_update(
         window.add(name, losses[name].item())
 
 
-def evaluate_actor(
-    actor: ProbabilisticActor,
-    env: EnvBase,
-    max_decisions: int,
-    episodes: int,
-    run: Progress,
-    wall_seconds: float,
-) -> dict[str, float]:
-    """Deterministic evaluation of the noise actor (its mean noise, decoded by the frozen
-    ODE) on ``episodes`` curve seeds, appended to the run's history (with the training wall
-    time) and returned."""
-    evaluation = evaluate_policy(
-        actor, env, max_decisions=max_decisions, seed=CURVE_SEED, num_episodes=episodes
-    )
-    row = {"env_steps": run.env_steps, "iteration": run.iteration, "updates": run.updates}
-    run.history.append({**row, "wall_seconds": wall_seconds, **evaluation})
-    return evaluation
-
-
 # ----------------------------------------------------------------------------- collector, checkpoints
-def make_collector(
-    actor: ProbabilisticActor,
-    train_env: EnvBase,
-    config: DSRLConfig,
-    executed_chunk_length: int,
-    buffered: int,
-    run: Progress,
-) -> Collector:
-    """RANDOM exploration (noise sampled from the actor), uniform noise for the first
-    ``random_env_steps`` (less what the buffer already holds, ``buffered`` decisions).
-
-    The collector resets its env when it is built, so the env is seeded first, with the
-    seeds of the first batch it collects (:func:`~torchrl_flowpolicy.protocol.training_seed`
-    of iteration ``run.iteration + 1``); its later resets continue each environment's stream.
-    """
-    decisions_per_batch = config.num_envs * config.decisions_per_batch
-    steps_per_batch = decisions_per_batch * executed_chunk_length  # an upper bound
-    random_decisions = max(config.random_env_steps // executed_chunk_length - buffered, 0)
-    random_decisions = -(-random_decisions // decisions_per_batch) * decisions_per_batch
-    remaining_batches = -(-max(config.total_env_steps - run.env_steps, 0) // steps_per_batch)
-    train_env.set_seed(training_seed(config.seed, run.iteration + 1, config.num_envs))
-    return Collector(
-        train_env,
-        actor,
-        frames_per_batch=decisions_per_batch,
-        total_frames=remaining_batches * decisions_per_batch,  # 0: a finished run
-        init_random_frames=random_decisions,
-        exploration_type=ExplorationType.RANDOM,
-        auto_register_policy_transforms=False,  # the actor is not recurrent
-        device=train_env.device,  # the actor's, the env's tensors' and the batches' device
-    )
-
-
 def save_dsrl_run(
     path: Path,
     learner: Learner,
@@ -371,26 +296,10 @@ def save_dsrl_run(
     identity: dict[str, Any],
 ) -> None:
     """The run checkpoint ``--resume`` reads: learner, stored decisions, counters and the
-    run's :func:`run_identity` (task, pretrained architecture, SAC networks)."""
-    runs.save_run(
-        path,
-        learner.trained(),
-        # The stored decisions only (not the empty capacity), as plain tensors.
-        replay_buffer=replay_buffer[: len(replay_buffer)].to_dict(),
-        buffer_length=len(replay_buffer),
-        **{**dataclasses.asdict(run), "history": json.dumps(run.history)},
-        **identity,
-    )
-
-
-def run_identity(config: DSRLConfig, model_config: ModelConfig) -> dict[str, Any]:
-    """What a resumed checkpoint must share with this run: the task, the architecture
-    (chunking included) of the pretrained policy and the sizes of the SAC networks."""
-    return {
-        "task": config.task,
-        "model_config": dataclasses.asdict(model_config),
-        "networks": {"hidden_dim": config.hidden_dim, "num_layers": config.num_layers},
-    }
+    run's identity (``runs.run_identity``: task, pretrained architecture, SAC networks)."""
+    buffer = runs.replay_buffer_state(replay_buffer)  # the stored decisions
+    progress = {**dataclasses.asdict(run), "history": json.dumps(run.history)}
+    runs.save_run(path, learner.trained(), **buffer, **progress, **identity)
 
 
 def resume_dsrl_run(
@@ -400,8 +309,7 @@ def resume_dsrl_run(
     ``learner`` and ``replay_buffer``; returns the counters and the random generators' state
     (for ``runs.restore_random_state``)."""
     saved = runs.resume_run(saved, learner.trained())
-    stored, length = saved.pop("replay_buffer"), saved.pop("buffer_length")
-    replay_buffer.extend(TensorDict(stored, batch_size=[length]))
+    runs.restore_replay_buffer(replay_buffer, saved)
     for name in ("task", "model_config", "networks"):
         saved.pop(name, None)
     random_state = saved.pop("random_state")
@@ -432,11 +340,7 @@ def next_multiple(value: int, every: int) -> int:
 # ----------------------------------------------------------------------------- main
 def main(config: DSRLConfig) -> dict:
     # Config: checked before any work; seeds, threads, the output folder.
-    validate_config(config)  # a number out of bounds fails here
-    device = runs.resolve_device(config.device)  # an unavailable device fails here
-    checkpoint = Path(config.output_dir) / "checkpoint.pt"
-    if config.resume:
-        runs.require_run_checkpoint(checkpoint)
+    device = check_run_config(config)  # a number out of bounds, an unavailable device
     runs.seed_random_generators(config.seed)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)
@@ -445,15 +349,11 @@ def main(config: DSRLConfig) -> dict:
 
     # The pretrained policy (made first when missing), frozen from here on; the --resume
     # checkpoint is refused now if it is another run's.
-    pretrained = Path(config.pretrained_checkpoint)
-    if not pretrained.is_file():
-        pretrain.main(pretrain.config_for_run(config))
     sampler = SamplerOptions(eval_num_denoising_steps=config.eval_num_denoising_steps)
-    policy, model_config, _, pretrained_state = load_policy_checkpoint(
-        pretrained, sampler=sampler, task=config.task
-    )
-    policy.to(device)
-    identity = run_identity(config, model_config)
+    policy, model_config, _, pretrained_state = pretrain.load_or_pretrain(config, sampler, device)
+    checkpoint = output_dir / "checkpoint.pt"
+    networks = {"hidden_dim": config.hidden_dim, "num_layers": config.num_layers}
+    identity = runs.run_identity(config.task, model_config, networks=networks)
     saved = runs.load_run(checkpoint, identity) if config.resume else None
     executed = model_config.executed_chunk_length
     max_decisions = reports.decisions_per_episode(config.max_episode_steps, executed)
@@ -476,18 +376,30 @@ def main(config: DSRLConfig) -> dict:
         del saved  # the stored decisions now live in the replay buffer
         print(f"resumed from iteration {run.iteration} ({run.env_steps} env steps)")
 
-    # Collector, logger (a resumed run's CSV files lose the rows logged after its
-    # checkpoint, which it logs again); the random streams where the checkpoint left them.
-    collector = make_collector(actor, train_env, config, executed, len(replay_buffer), run)
+    # Collector (uniform noise until random_env_steps are buffered; its envs seeded for the
+    # first batch it collects), logger (a resumed run's CSV files lose the rows logged after
+    # its checkpoint, which it logs again); the random streams where the checkpoint left them.
+    collector = collectors.make_replay_collector(
+        actor,
+        train_env,
+        decisions_per_batch=config.num_envs * config.decisions_per_batch,
+        executed_chunk_length=executed,
+        random_env_steps=config.random_env_steps,
+        remaining_env_steps=config.total_env_steps - run.env_steps,
+        buffered_decisions=len(replay_buffer),
+        seed=training_seed(config.seed, run.iteration + 1, config.num_envs),
+    )
+    experiment = f"dsrl_seed{config.seed}"
     resume_step = run.env_steps if random_state is not None else None
-    log = MetricLogger(
-        config.loggers, f"dsrl_seed{config.seed}", output_dir, config, resume_step
-    ).log
+    log = MetricLogger(config.loggers, experiment, output_dir, config, resume_step).log
 
     def evaluate() -> dict[str, float]:
+        """A learning-curve point of the actor's mean noise (decoded by the frozen ODE),
+        appended to the run's history with the training wall time, and logged."""
         wall_seconds = time.perf_counter() - training_start
-        episodes = config.eval_episodes
-        evaluation = evaluate_actor(actor, eval_env, max_decisions, episodes, run, wall_seconds)
+        evaluation = reports.evaluate_on_curve(actor, eval_env, max_decisions, config.eval_episodes)
+        row = {"env_steps": run.env_steps, "iteration": run.iteration, "updates": run.updates}
+        run.history.append({**row, "wall_seconds": wall_seconds, **evaluation})
         log(
             {f"eval/{name}": evaluation[name] for name in ("success_rate", "mean_return")},
             run.env_steps,
@@ -503,7 +415,7 @@ def main(config: DSRLConfig) -> dict:
     next_eval = next_multiple(run.env_steps, config.eval_every_env_steps)
     next_log = next_multiple(run.env_steps, config.log_every_env_steps)
     next_checkpoint = next_multiple(run.env_steps, config.checkpoint_every_env_steps)
-    window = LogWindow()
+    window = MetricWindow()
     bar = tqdm(total=config.total_env_steps, initial=run.env_steps, desc="DSRL env steps")
     if not run.history:
         evaluate()
@@ -515,7 +427,7 @@ def main(config: DSRLConfig) -> dict:
         if run.env_steps >= next_log:
             next_log += config.log_every_env_steps
             log(window.row(run.updates), run.env_steps)
-            window = LogWindow()
+            window = MetricWindow()
         if run.env_steps >= next_eval:
             next_eval += config.eval_every_env_steps
             bar.set_postfix(success=f"{evaluate()['success_rate']:.0%}")
@@ -529,38 +441,34 @@ def main(config: DSRLConfig) -> dict:
     collector.shutdown()
 
     # Evaluation: the final level, the checkpoint, the held-out protocol (BC and DSRL under
-    # both decodings, the expert), plot and summary.
+    # both decodings, the expert), plot, summary.json.
     if not run.history or run.history[-1]["env_steps"] != run.env_steps:
         evaluate()
     run.wall_seconds = time.perf_counter() - training_start
     save_dsrl_run(checkpoint, learner, replay_buffer, run, identity)
     eval_env.close()
-    held_out_env = make_noise_env(
-        policy, config, task.eval_envs(config.held_out_episodes), executed
-    )
+    held_out_envs = task.eval_envs(config.held_out_episodes)
+    held_out_env = make_noise_env(policy, config, held_out_envs, executed)
     held_out = reports.held_out_protocol(
         policy, actor, config, executed, held_out_env, name="DSRL", device=device
     )
     held_out_env.close()
-    title = f"{task.title} DSRL: deterministic evaluation (mean noise, ODE K = 20)"
-    curve = output_dir / "learning_curve.png"
-    reports.plot_learning_curve(
-        run.history, baselines, curve, title=title, label="DSRL (mean noise)", wall_time=True
-    )
     summary = reports.run_summary(
-        config, baselines, run.history, held_out, pretrained_state,
+        config,
+        baselines,
+        run.history,
+        held_out,
+        pretrained_state,
         bc_noise_free_return=baselines["BC (noise-free)"]["mean_return"],
-        env_steps=run.env_steps, iterations=run.iteration, updates=run.updates,
-        training_wall_seconds=run.wall_seconds, wall_seconds=time.perf_counter() - start,
-    )  # fmt: skip
-    runs.write_json(output_dir / "summary.json", summary)
-    bc, final = baselines["BC (sampled)"], run.history[-1]
-    print(
-        f"curve seeds: BC success {bc['success_rate']:.1%} -> DSRL success "
-        f"{final['success_rate']:.1%} after {run.env_steps} env steps, {run.updates} updates "
-        f"({summary['wall_seconds'] / 60:.1f} min)"
+        updates=run.updates,
+        training_wall_seconds=run.wall_seconds,
+        wall_seconds=time.perf_counter() - start,
     )
-    print(f"held-out seeds: {held_out['line']}")
+    title = f"{task.title} DSRL: deterministic evaluation (mean noise, ODE K = 20)"
+    label = "DSRL (mean noise)"
+    reports.write_run_report(
+        output_dir, summary, name="DSRL", title=title, label=label, wall_time=True
+    )
     return summary
 
 

@@ -21,7 +21,6 @@ one collector process (tests/test_main_job.py). ``--quick`` runs the chain in ab
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -46,21 +45,14 @@ from torchrl_flowpolicy import (
     runs,
 )
 from torchrl_flowpolicy.envs import decision_discount, get_task
-from torchrl_flowpolicy.evaluation import evaluate_policy
-from torchrl_flowpolicy.loggers import MetricLogger
+from torchrl_flowpolicy.loggers import MetricLogger, MetricWindow
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
-from torchrl_flowpolicy.protocol import CURVE_SEED
 
 import pretrain
-from common import TaskOptions, option, parse_config, task_defaults, validate_config
+from common import TaskOptions, check_run_config, option
 
-# The options of the noise head: refused with --noise fixed, where nothing reads them.
-LEARNED_NOISE_OPTIONS = (
-    "min_noise_std",
-    "max_noise_std",
-    "initial_noise_std",
-    "noise_learning_rate",
-)
+# What the options of the noise head require: refused with --noise fixed (nothing reads them).
+LEARNED = ("noise", "learned")
 
 
 # ----------------------------------------------------------------------------- config
@@ -74,43 +66,31 @@ class PPOConfig(TaskOptions):
         "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
     )
     num_envs: int = option(16, "training environments (over all collector workers)", minimum=1)
-    collector_workers: int = option(
-        1, "collector processes (> 1: MultiSyncCollector, weights sent per update)", minimum=1
-    )
+    collector_workers: int = option(1, "collector processes (> 1: MultiSyncCollector)", minimum=1)
     collector_backend: Literal["process", "ray"] = option(
-        "process", "process: this process or worker processes; ray: one Ray actor per worker"
+        "process", "ray: one Ray actor per worker"
     )
-    ray_address: str = option(
-        "", "the Ray cluster (empty: RAY_ADDRESS, `ray start`'s or a new local one; auto)"
-    )
+    ray_address: str = option("", "the Ray cluster (empty: RAY_ADDRESS, ray start's or a new one)")
     device: str = option("cpu", "torch device of the policy, critic, loss and batches")
     episodes_per_batch: int = option(1, "episodes per environment per PPO iteration", minimum=1)
     total_env_steps: int = option(1_200_000, "environment steps of fine-tuning", minimum=1)
     # Flow-SDE sampler (rollouts) and the evaluation ODE.
     noise_level: float = option(0.5, "a: exploration noise of the Flow-SDE step", minimum=0)
-    rollout_noise_scale: float = option(
-        1.0, "std of the rollouts' (and the learning curve's) x_0", minimum=0
-    )
-    num_denoising_steps: int = option(
-        8, "K: denoising steps of rollouts and of the learner", minimum=1
-    )
+    rollout_noise_scale: float = option(1.0, "std of x_0 (rollouts, learning curve)", minimum=0)
+    num_denoising_steps: int = option(8, "K: denoising steps of rollouts and learner", minimum=1)
     eval_num_denoising_steps: int = option(20, "K of the deterministic evaluation ODE", minimum=1)
     sde_mode: Literal["mixed", "last", "all"] = option(
         "last", "stochastic steps: one random step (mixed), the last num_sde_steps, all"
     )
     num_sde_steps: int = option(4, "stochastic steps for sde_mode=last", minimum=0)
-    noise: Literal["fixed", "learned"] = option(
-        "fixed", "step noise: fixed (Flow-SDE) or learned (a fresh noise head; Flow-Noise)"
-    )
-    min_noise_std: float = option(0.02, "noise=learned: lower bound of the step std", above=0)
-    max_noise_std: float = option(0.3, "noise=learned: upper bound of the step std", above=0)
-    initial_noise_std: float = option(0.08, "noise=learned: the fresh head's std", above=0)
-    noise_learning_rate: float = option(3e-4, "noise=learned: Adam on the noise head", above=0)
+    noise: Literal["fixed", "learned"] = option("fixed", "learned: a fresh noise head (Flow-Noise)")
+    min_noise_std: float = option(0.02, "lower bound of the step std", above=0, requires=LEARNED)
+    max_noise_std: float = option(0.3, "upper bound of the step std", above=0, requires=LEARNED)
+    initial_noise_std: float = option(0.08, "the fresh head's std", above=0, requires=LEARNED)
+    noise_learning_rate: float = option(3e-4, "Adam on the noise head", above=0, requires=LEARNED)
     entropy_coeff: float = option(0.0, "entropy bonus (needs noise=learned; 0: off)", minimum=0)
     # PPO.
-    advantage: Literal["gae", "grpo"] = option(
-        "gae", "gae: a critic and GAE; grpo: no critic, returns against their group's"
-    )
+    advantage: Literal["gae", "grpo"] = option("gae", "grpo: no critic, group-relative returns")
     group_size: int = option(4, "grpo: environments per group (one initial state)", minimum=2)
     epochs: int = option(4, "passes over each batch", minimum=1)
     minibatch_size: int = option(304, "decisions per minibatch", minimum=1)
@@ -136,61 +116,70 @@ class PPOConfig(TaskOptions):
     loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
     resume: bool = option(False, "continue from output_dir/checkpoint.pt")
     threads: int = option(2, "torch CPU threads", minimum=1)
-    pretrain: pretrain.PretrainConfig = option(
-        default_factory=pretrain.PretrainConfig,
-        help="behaviour cloning, run when pretrained_checkpoint is missing (with this run's "
-        "seed and task settings; it writes pretrained_checkpoint)",
-    )
+    pretrain: pretrain.PretrainConfig = pretrain.run_option()
 
     def option_conflicts(self) -> list[str]:
         """Options that contradict each other (exit 2 on the command line, ``ValueError`` in
         ``main``), one line each naming them."""
-        defaults = {field.name: field.default for field in dataclasses.fields(self)}
-        changed = [name for name in LEARNED_NOISE_OPTIONS if getattr(self, name) != defaults[name]]
-        given = " ".join(f"--{name} {getattr(self, name)}" for name in changed)
         fixed, grpo = self.noise == "fixed", self.advantage == "grpo"
         bounds = (self.min_noise_std, self.initial_noise_std, self.max_noise_std)
         workers = f"--collector_workers {self.collector_workers} --collector_backend "
         rules = [
-            (not fixed and not bounds[0] < bounds[1] < bounds[2], "--noise learned needs "
-             "--min_noise_std < --initial_noise_std < --max_noise_std, got {} < {} < {}: the "
-             "std starts strictly inside its bounds".format(*bounds)),
-            (fixed and changed, f"{given}: only with --noise learned (the std is --noise_level's)"),
-            (fixed and self.entropy_coeff > 0, f"--entropy_coeff {self.entropy_coeff}: needs "
-             "--noise learned (the fixed schedule's entropy has no gradient)"),
-            (self.num_envs % self.collector_workers, f"--num_envs {self.num_envs}: must be a "
-             f"multiple of --collector_workers {self.collector_workers} (envs per worker)"),
-            (grpo and self.num_envs % self.group_size, f"--num_envs {self.num_envs}: must be a "
-             f"multiple of --group_size {self.group_size} with --advantage grpo"),
-            (grpo and self.episodes_per_batch != 1, f"--episodes_per_batch "
-             f"{self.episodes_per_batch}: must be 1 with --advantage grpo (one episode per env)"),
-            (grpo and (self.collector_workers != 1 or self.collector_backend != "process"),
-             f"{workers}{self.collector_backend}: must be 1 and process with --advantage grpo "
-             "(the groups are reseeded from this process)"),
-        ]  # fmt: skip
+            (
+                not fixed and not bounds[0] < bounds[1] < bounds[2],
+                "--noise learned needs --min_noise_std < --initial_noise_std < --max_noise_std, "
+                "got {} < {} < {}: the std starts strictly inside its bounds".format(*bounds),
+            ),
+            (
+                fixed and self.entropy_coeff > 0,
+                f"--entropy_coeff {self.entropy_coeff}: needs --noise learned "
+                "(the fixed schedule's entropy has no gradient)",
+            ),
+            (
+                self.num_envs % self.collector_workers,
+                f"--num_envs {self.num_envs}: must be a multiple of --collector_workers "
+                f"{self.collector_workers} (envs per worker)",
+            ),
+            (
+                grpo and self.num_envs % self.group_size,
+                f"--num_envs {self.num_envs}: must be a multiple of --group_size "
+                f"{self.group_size} with --advantage grpo",
+            ),
+            (
+                grpo and self.episodes_per_batch != 1,
+                f"--episodes_per_batch {self.episodes_per_batch}: must be 1 with --advantage "
+                "grpo (one episode per env)",
+            ),
+            (
+                grpo and (self.collector_workers != 1 or self.collector_backend != "process"),
+                f"{workers}{self.collector_backend}: must be 1 and process with --advantage grpo "
+                "(the groups are reseeded from this process)",
+            ),
+        ]
         return [message for broken, message in rules if broken]
 
 
 # What --quick changes: the whole chain in about a minute.
 QUICK = {
-    "num_envs": 4, "total_env_steps": 4 * 150 * 4, "epochs": 2, "minibatch_size": 76,
-    "eval_every": 2, "checkpoint_every": 2, "eval_episodes": 8, "held_out_episodes": 8,
-    "critic_warmup_iterations": 1, "group_size": 2, "pretrain.train_steps": 150,
-    "pretrain.eval_episodes": 8, "threads": 1,
-}  # fmt: skip
+    "num_envs": 4,
+    "total_env_steps": 4 * 150 * 4,
+    "epochs": 2,
+    "minibatch_size": 76,
+    "eval_every": 2,
+    "checkpoint_every": 2,
+    "eval_episodes": 8,
+    "held_out_episodes": 8,
+    "critic_warmup_iterations": 1,
+    "group_size": 2,
+    "pretrain.train_steps": 150,
+    "pretrain.eval_episodes": 8,
+    "threads": 1,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> PPOConfig:
-    """The command line (``--help``) as a :class:`PPOConfig`."""
-    exclude = [f"pretrain.{name}" for name in (*pretrain.RUN_SETTINGS, *pretrain.EXCLUDE)]
-    return parse_config(
-        PPOConfig,
-        argv,
-        description=__doc__,
-        quick=QUICK,
-        task_defaults=task_defaults("ppo"),  # the task's defaults: envs.tasks.TASKS
-        exclude=exclude,
-    )
+    """The command line (``--help``) as a :class:`PPOConfig`, with the task's defaults."""
+    return pretrain.parse_run_args(PPOConfig, argv, "ppo", description=__doc__, quick=QUICK)
 
 
 def sampler_options(config: PPOConfig) -> SamplerOptions:
@@ -206,8 +195,10 @@ def sampler_options(config: PPOConfig) -> SamplerOptions:
     )
 
 
-def collector_options(config: PPOConfig, device: torch.device | str = "cpu"):
-    """How the batches are collected (:class:`~torchrl_flowpolicy.collectors.CollectorOptions`)."""
+def collector_options(
+    config: PPOConfig, device: torch.device | str = "cpu"
+) -> collectors.CollectorOptions:
+    """How the batches are collected."""
     return collectors.CollectorOptions(
         num_envs=config.num_envs,
         workers=config.collector_workers,
@@ -219,24 +210,16 @@ def collector_options(config: PPOConfig, device: torch.device | str = "cpu"):
 
 
 def check_config(config: PPOConfig, world_size: int) -> torch.device:
-    """Refuse, before any work, what the run could not do; returns the run's device.
-
-    Raises:
-        ValueError: options out of bounds or contradicting each other (learned-noise bounds
-            that do not nest, ...), an unavailable ``--device``, Ray under ``torchrun``.
-        ImportError: ``--collector_backend ray`` without Ray. FileNotFoundError: ``--resume``
-            without a checkpoint in ``output_dir``.
-    """
-    validate_config(config)
-    device = runs.resolve_device(config.device)
+    """Refuse, before any work, what the run could not do (:func:`~common.check_run_config`,
+    and Ray: under ``torchrun``, ``ValueError``; not installed, ``ImportError``); returns the
+    run's device."""
+    device = check_run_config(config)
     if config.collector_backend == "ray" and world_size > 1:
         raise ValueError(
             "--collector_backend ray under torchrun is not supported: use one learner process "
             "with Ray workers, or torchrun with --collector_backend process."
         )
     collector_options(config, device)  # ImportError without Ray
-    if config.resume:
-        runs.require_run_checkpoint(Path(config.output_dir) / "checkpoint.pt")
     return device
 
 
@@ -250,16 +233,6 @@ def training_envs(config: PPOConfig, executed_chunk_length: int) -> collectors.T
 
 
 # ----------------------------------------------------------------------------- policy, critic, loss
-def add_noise_head(
-    policy: FlowSDEPolicy, config: PPOConfig, model_config: models.ModelConfig
-) -> None:
-    """``--noise learned``: a fresh noise head for RL (the pretrained policy has none)."""
-    if config.noise == "learned":
-        low, high, initial = config.min_noise_std, config.max_noise_std, config.initial_noise_std
-        head = models.build_noise_head(model_config, low, high, initial)
-        policy.noise_head = head.to(policy.encoder[0].loc.device)
-
-
 @dataclass
 class Learner:
     """What PPO trains, and what a run checkpoint holds (:meth:`trained`); no critic (``None``)
@@ -272,12 +245,8 @@ class Learner:
     critic_optimizer: torch.optim.Optimizer | None
 
     def trained(self) -> dict[str, Any]:
-        trained = {"policy": self.policy, "critic": self.critic}
-        trained |= {
-            "actor_optimizer": self.actor_optimizer,
-            "critic_optimizer": self.critic_optimizer,
-        }
-        return {name: item for name, item in trained.items() if item is not None}
+        names = ("policy", "critic", "actor_optimizer", "critic_optimizer")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 def make_learner(policy: FlowSDEPolicy, config: PPOConfig, executed_chunk_length: int) -> Learner:
@@ -331,11 +300,9 @@ def ppo_iteration(
     """Scale rewards, flag successes, GAE, then ``epochs`` passes of minibatch updates.
 
     The critic is always trained, the actor only with ``train_actor``; under ``torchrun``
-    the gradients are averaged over the ranks before clipping. ``--advantage grpo``: the
-    group-relative advantage of each environment's first episode
-    (:func:`~torchrl_flowpolicy.episodes.group_relative_episodes`) instead of GAE, and the
-    actor alone is trained. Returns the loss entries averaged over the minibatches and the
-    batch's training statistics.
+    the gradients are averaged over the ranks before clipping. ``--advantage grpo``: each
+    environment's first episode with its group-relative advantage (no GAE), the actor alone
+    trained. Returns the minibatches' mean loss entries and the batch's statistics.
     """
     policy, critic, loss_module = learner.policy, learner.critic, learner.loss_module
     batch["next", "reward"] = batch["next", "reward"] * config.reward_scale
@@ -353,7 +320,7 @@ def ppo_iteration(
     if critic is not None:
         trained.insert(0, (critic, learner.critic_optimizer))
     parameters = [parameter for network, _ in trained for parameter in network.parameters()]
-    metrics: dict[str, list[float]] = {}
+    metrics = MetricWindow()  # the loss entries of every minibatch
     fresh_drift = None
     for _ in range(config.epochs):
         for minibatch in replay_buffer:
@@ -361,11 +328,9 @@ def ppo_iteration(
             if fresh_drift is None:  # before any update: the rollout/learner mismatch alarm
                 fresh_drift = losses["log_prob_drift"].item()
             loss = losses["loss_objective"]
-            for name in ("loss_kl", "loss_bc"):
+            for name in ("loss_kl", "loss_bc", "loss_entropy"):  # 0 or absent unless asked for
                 if name in losses.keys():
                     loss = loss + losses[name]
-            if config.entropy_coeff > 0:
-                loss = loss + losses["loss_entropy"]
             if critic is not None:  # the critic always, the actor after the warm-up
                 loss = losses["loss_critic"] + (loss if train_actor else 0.0)
             for _, optimizer in trained:
@@ -378,13 +343,9 @@ def ppo_iteration(
                 torch.nn.utils.clip_grad_norm_(network.parameters(), config.max_grad_norm)
                 optimizer.step()
             for name, value in losses.items():
-                metrics.setdefault(name, []).append(float(value.detach()))
+                metrics.add(name, float(value.detach()))
 
-    done = batch["next", "done"].squeeze(-1)
-    row = {name: sum(values) / len(values) for name, values in metrics.items()}
-    success = batch["next", "success"].squeeze(-1)[done].float()
-    row["train/episode_success"] = success.mean().item() if done.any() else 0.0
-    row["train/chunk_reward"] = batch["next", "reward"].mean().item()
+    row = metrics.means() | episodes.batch_statistics(batch)  # every batch ends its episodes
     row["log_prob_drift_before_update"] = fresh_drift
     if critic is None:
         row.update(episodes.group_statistics(batch, config.group_size, collected_decisions))
@@ -394,25 +355,6 @@ def ppo_iteration(
 
 
 # ----------------------------------------------------------------------------- checkpoints
-# What a checkpoint saved before an entry of run_identity was recorded implies: every run had
-# a critic before GRPO and the fixed Flow-SDE noise before the noise head.
-IMPLIED_IDENTITY = {"advantage": "gae", "noise": {"kind": "fixed"}}
-
-
-def run_identity(config: PPOConfig, model_config: models.ModelConfig) -> dict[str, Any]:
-    """What a resumed checkpoint must share with this run: the task, the pretrained policy's
-    architecture (chunking included), the advantage and the exploration noise."""
-    noise = {"kind": config.noise}
-    if config.noise == "learned":
-        noise |= {"min_std": config.min_noise_std, "max_std": config.max_noise_std}
-    return {
-        "task": config.task,
-        "model_config": dataclasses.asdict(model_config),
-        "advantage": config.advantage,
-        "noise": noise,
-    }
-
-
 def save_ppo_run(
     path: Path,
     learner: Learner,
@@ -420,13 +362,11 @@ def save_ppo_run(
     config: PPOConfig,
     run: runs.RunProgress,
 ) -> None:
-    """The run checkpoint ``--resume`` reads: what the learner trains, the progress
-    (:class:`~torchrl_flowpolicy.runs.RunProgress`), the advantage, and the policy's record
-    (:func:`~torchrl_flowpolicy.models.policy_record`: architecture, task, sampler settings,
-    noise), with which ``load_policy`` rebuilds the fine-tuned policy."""
-    record = models.policy_record(learner.policy, model_config, config.task)
-    trained, advantage = learner.trained(), config.advantage
-    runs.save_run(path, trained, **run.state(), advantage=advantage, **record)
+    """The run checkpoint ``--resume`` reads (what the learner trains, the progress, the
+    advantage), from which ``load_policy`` also rebuilds the fine-tuned policy
+    (:func:`~torchrl_flowpolicy.models.save_policy_run`)."""
+    progress = {"task": config.task, "advantage": config.advantage, **run.state()}
+    models.save_policy_run(path, learner.trained(), learner.policy, model_config, **progress)
 
 
 # ----------------------------------------------------------------------------- main
@@ -442,28 +382,23 @@ def main(config: PPOConfig) -> dict:
     run = runs.RunProgress()
 
     # Policy: the pretrained one (made first when missing, by rank 0), kept as BC for the
-    # protocol; the --resume checkpoint is refused now if it is another run's.
-    pretrained = Path(config.pretrained_checkpoint)
-    if main_process and not pretrained.is_file():
-        pretrain.main(pretrain.config_for_run(config))
-    distributed.barrier()
-    policy, model_config, _, pretrained_state = models.load_policy_checkpoint(
-        pretrained, sampler=sampler_options(config), task=config.task
+    # protocol, with a fresh noise head for --noise learned; the --resume checkpoint is
+    # refused now if it is another run's (task, architecture, advantage, noise).
+    policy, model_config, _, pretrained_state = pretrain.load_or_pretrain(
+        config, sampler_options(config), device, pretrain_here=main_process
     )
-    policy.to(device)
-    checkpoint = output_dir / "checkpoint.pt"
-    identity = run_identity(config, model_config)
-    saved = runs.load_run(checkpoint, identity, IMPLIED_IDENTITY) if config.resume else None
     bc_policy = copy.deepcopy(policy)
-    add_noise_head(policy, config, model_config)
+    if config.noise == "learned":  # the pretrained policy has none
+        low, high, initial = config.min_noise_std, config.max_noise_std, config.initial_noise_std
+        policy.noise_head = models.build_noise_head(model_config, low, high, initial).to(device)
+    checkpoint = output_dir / "checkpoint.pt"
+    noise, advantage = models.noise_record(policy), config.advantage
+    identity = runs.run_identity(config.task, model_config, advantage=advantage, noise=noise)
+    saved = runs.load_run(checkpoint, identity, runs.IMPLIED_IDENTITY) if config.resume else None
     executed = model_config.executed_chunk_length
     max_decisions = reports.decisions_per_episode(config.max_episode_steps, executed)
 
     # Evaluation env (curve seeds) and the baselines: BC under both decodings, the expert.
-    evaluate = functools.partial(
-        evaluate_policy, max_decisions=max_decisions, seed=CURVE_SEED,
-        num_episodes=config.eval_episodes,
-    )  # fmt: skip
     if main_process:
         eval_env = reports.make_eval_env(config, config.eval_episodes, executed, device)
         baselines = reports.curve_baselines(policy, eval_env, max_decisions, config)
@@ -483,13 +418,17 @@ def main(config: PPOConfig) -> dict:
     decisions_per_batch = config.num_envs * config.episodes_per_batch * max_decisions
     make_env, options = training_envs(config, executed), collector_options(config, device)
     batch_seed = functools.partial(
-        collectors.first_reset_seed, config.seed, num_envs=config.num_envs,
-        group_size=make_env.group_size, rank=rank, world_size=world_size,
-    )  # fmt: skip
+        collectors.first_reset_seed,
+        config.seed,
+        num_envs=config.num_envs,
+        group_size=make_env.group_size,
+        rank=rank,
+        world_size=world_size,
+    )
+    first_seed = batch_seed(run.iteration + 1)
     collector = collectors.make_collector(
-        policy, make_env, options, frames_per_batch=decisions_per_batch,
-        seed=batch_seed(run.iteration + 1),
-    )  # fmt: skip
+        policy, make_env, options, frames_per_batch=decisions_per_batch, seed=first_seed
+    )
     replay_buffer = make_replay_buffer(config, decisions_per_batch, device)
     if main_process:
         experiment, resume_step = f"ppo_seed{config.seed}", run.env_steps if saved else None
@@ -523,15 +462,14 @@ def main(config: PPOConfig) -> dict:
         row["time/update_seconds"] = time.perf_counter() - update_start
         last = run.env_steps >= config.total_env_steps
         if main_process and (run.iteration % config.eval_every == 0 or last):
-            evaluation = evaluate(policy, eval_env)
+            evaluation = reports.evaluate_on_curve(
+                policy, eval_env, max_decisions, config.eval_episodes
+            )
             run.record(evaluation)
             row |= {f"eval/{name}": evaluation[name] for name in ("success_rate", "mean_return")}
             bar.set_postfix(success=f"{evaluation['success_rate']:.0%}")
-        if main_process:  # rank 0's own diagnostics
-            log(
-                {name.replace("loss_", "loss/"): value for name, value in row.items()},
-                run.env_steps,
-            )
+        if main_process:  # rank 0's own diagnostics, loss_* as loss/*
+            log({key.replace("loss_", "loss/"): row[key] for key in row}, run.env_steps)
         if main_process and run.iteration % config.checkpoint_every == 0:
             save_ppo_run(checkpoint, learner, model_config, config, run)
         bar.update(batch_steps)
@@ -542,31 +480,19 @@ def main(config: PPOConfig) -> dict:
         return {}
     save_ppo_run(checkpoint, learner, model_config, config, run)
 
-    # Evaluation: the final level (a history row unless the last iteration had one), the
-    # held-out protocol (BC and PPO under both decodings, the expert), plot and summary.
-    final = evaluate(policy, eval_env)
-    eval_env.close()
+    # Evaluation: the final level (the last iteration's, evaluated unless it was), the
+    # held-out protocol (BC and PPO under both decodings, the expert), plot, summary.json.
     if not run.history or run.history[-1]["env_steps"] != run.env_steps:
-        run.record(final)
+        run.record(reports.evaluate_on_curve(policy, eval_env, max_decisions, config.eval_episodes))
+    eval_env.close()
     held_out = reports.held_out_protocol(
         bc_policy, policy, config, executed, name="PPO", device=device
     )
     title = f"{get_task(config.task).title}: deterministic evaluation (ODE, K = 20)"
-    curve = output_dir / "learning_curve.png"
-    reports.plot_learning_curve(run.history, baselines, curve, title=title, label="PPO (sampled)")
     summary = reports.run_summary(
-        config, baselines, run.history, held_out, pretrained_state,
-        rl_success=final["success_rate"], rl_return=final["mean_return"],
-        wall_seconds=run.wall_seconds(),
-    )  # fmt: skip
-    runs.write_json(output_dir / "summary.json", summary)
-    bc = baselines["BC (sampled)"]
-    print(
-        f"curve seeds: BC success {bc['success_rate']:.1%} -> RL success "
-        f"{final['success_rate']:.1%} after {run.env_steps} env steps "
-        f"({summary['wall_seconds'] / 60:.1f} min)"
+        config, baselines, run.history, held_out, pretrained_state, wall_seconds=run.wall_seconds()
     )
-    print(f"held-out seeds: {held_out['line']}")
+    reports.write_run_report(output_dir, summary, name="RL", title=title, label="PPO (sampled)")
     return summary
 
 

@@ -21,18 +21,25 @@ import torch
 from tensordict import TensorDictBase
 from tqdm import tqdm
 
-from torchrl_flowpolicy import FlowSDEPolicy
+from torchrl_flowpolicy import FlowSDEPolicy, distributed
 from torchrl_flowpolicy.data import make_chunk_dataset
 from torchrl_flowpolicy.envs import get_task, load_or_collect_demos
 from torchrl_flowpolicy.evaluation import evaluate_policy
-from torchrl_flowpolicy.models import TASK_MODEL_FIELDS, ModelConfig, build_policy, save_policy
+from torchrl_flowpolicy.models import (
+    TASK_MODEL_FIELDS,
+    ModelConfig,
+    SavedPolicy,
+    build_policy,
+    load_policy_checkpoint,
+    save_policy,
+)
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.objectives import FlowMatchingLoss
 from torchrl_flowpolicy.reports import decisions_per_episode, make_eval_env, task_options
 from torchrl_flowpolicy.runs import write_json
 from torchrl_flowpolicy.sampler import SamplerOptions
 
-from common import TaskOptions, option, parse_config, task_defaults, validate_config
+from common import Config, TaskOptions, option, parse_config, task_defaults, validate_config
 
 
 @dataclass
@@ -99,6 +106,56 @@ def config_for_run(run: Any) -> PretrainConfig:
         success_threshold=run.success_threshold,
         reward=run.reward,
         terminate_on_success=run.terminate_on_success,
+    )
+
+
+def run_option() -> Any:
+    """The ``pretrain`` field of a fine-tuning config (``examples/ppo.py``, ``dsrl.py``):
+    the behaviour cloning :func:`config_for_run` makes from it when the run's pretrained
+    checkpoint is missing."""
+    return option(
+        default_factory=PretrainConfig,
+        help="behaviour cloning, run when pretrained_checkpoint is missing (with this run's "
+        "seed and task settings; it writes pretrained_checkpoint)",
+    )
+
+
+def load_or_pretrain(
+    run: Any, sampler: SamplerOptions, device: torch.device | str, *, pretrain_here: bool = True
+) -> SavedPolicy:
+    """A fine-tuning run's pretrained policy (``run.pretrained_checkpoint``, checked against
+    ``run.task``) with the run's ``sampler`` settings, on ``device``; made first by
+    :func:`main` with :func:`config_for_run` when the checkpoint is missing. Under
+    ``torchrun`` only rank 0 has ``pretrain_here``; every rank waits for it."""
+    path = Path(run.pretrained_checkpoint)
+    if pretrain_here and not path.is_file():
+        main(config_for_run(run))
+    distributed.barrier()
+    saved = load_policy_checkpoint(path, sampler=sampler, task=run.task)
+    saved.policy.to(device)
+    return saved
+
+
+def parse_run_args(
+    config_class: type[Config],
+    argv: list[str] | None,
+    script: Literal["ppo", "dsrl"],
+    *,
+    description: str | None,
+    quick: dict[str, Any],
+) -> Config:
+    """The command line of a fine-tuning script (``--help``) as its ``config_class``:
+    :func:`~common.parse_config` with the task's defaults for ``script``
+    (:func:`~common.task_defaults`, read from ``envs.tasks.TASKS``) and ``--quick``; the
+    pretraining options that :func:`config_for_run` takes from the run are left off."""
+    exclude = [f"pretrain.{name}" for name in (*RUN_SETTINGS, *EXCLUDE)]
+    return parse_config(
+        config_class,
+        argv,
+        description=description,
+        quick=quick,
+        task_defaults=task_defaults(script),
+        exclude=exclude,
     )
 
 

@@ -12,7 +12,7 @@ from conftest import load_example
 
 from torchrl_flowpolicy import reports
 from torchrl_flowpolicy.models import ModelConfig, build_policy, save_policy
-from torchrl_flowpolicy.runs import load_run, save_run
+from torchrl_flowpolicy.runs import IMPLIED_IDENTITY, load_run, run_identity, save_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -373,8 +373,9 @@ def test_ppo_resume_of_a_checkpoint_older_than_grpo_and_the_noise_head_names_wha
         module.main(config)
     assert named in str(error.value)
     _, defaults = run_config("ppo", tmp_path)  # a GAE run with the fixed noise resumes it
-    identity = module.run_identity(defaults, model_config)
-    assert load_run(path, identity, module.IMPLIED_IDENTITY)["iteration"] == 1
+    noise = {"kind": defaults.noise}
+    identity = run_identity(defaults.task, model_config, advantage=defaults.advantage, noise=noise)
+    assert load_run(path, identity, IMPLIED_IDENTITY)["iteration"] == 1
 
 
 def test_dsrl_resume_with_other_sac_network_sizes_names_them(example, monkeypatch, tmp_path):

@@ -25,6 +25,7 @@ from torchrl_flowpolicy.models import (
     build_noise_head,
     build_policy,
     load_policy_checkpoint,
+    noise_record,
     save_policy,
 )
 from torchrl_flowpolicy.networks import ObservationNormalizer
@@ -33,6 +34,7 @@ from torchrl_flowpolicy.runs import (
     load_run,
     restore_random_state,
     resume_run,
+    run_identity,
     save_figure,
     save_run,
     seed_random_generators,
@@ -459,14 +461,16 @@ def test_learned_noise_head_is_saved_with_the_run_and_rebuilt_on_load(example_mo
     ppo.save_ppo_run(path, learner, model_config, config, RunProgress(3, 100))
 
     loaded, _, _, state = load_policy_checkpoint(path)
-    assert state["noise"] == ppo.run_identity(config, model_config)["noise"]
+    noise = noise_record(learner.policy)  # the identity's noise, as main records it
+    identity = run_identity(config.task, model_config, advantage=config.advantage, noise=noise)
+    assert state["noise"] == identity["noise"]
     assert state["noise"] == {"kind": "learned", "min_std": 0.01, "max_std": 0.4}
     assert (loaded.noise_head.min_std, loaded.noise_head.max_std) == (0.01, 0.4)
     for name, value in head.state_dict().items():
         assert torch.equal(loaded.noise_head.state_dict()[name], value), name
 
     resumed = make_learner(1)
-    resume_run(load_run(path, ppo.run_identity(config, model_config)), resumed.trained())
+    resume_run(load_run(path, identity), resumed.trained())
     for name, value in head.state_dict().items():
         assert torch.equal(resumed.policy.noise_head.state_dict()[name], value), name
     assert resumed.actor_optimizer.param_groups[1]["lr"] == 1e-3

@@ -16,7 +16,7 @@ from torchrl_flowpolicy.collectors import first_reset_seed, make_collector, seed
 from torchrl_flowpolicy.episodes import group_relative_episodes, group_statistics
 from torchrl_flowpolicy.models import ModelConfig, build_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.runs import RunProgress, load_run, resume_run
+from torchrl_flowpolicy.runs import RunProgress, load_run, resume_run, run_identity
 
 CHUNK_LENGTH, EXECUTED = 4, 2
 MAX_EPISODE_STEPS = 6  # 3 decisions of 2 steps
@@ -142,9 +142,11 @@ def test_critic_free_iteration_trains_the_actor_and_checkpoints_no_critic(ppo, t
     state = load_checkpoint(path)
     assert state["advantage"] == "grpo" and "critic" not in state
     resumed = ppo.make_learner(example_policy(), config, EXECUTED)
-    resume_run(load_run(path, ppo.run_identity(config, model_config())), resumed.trained())
+    noise = {"kind": "fixed"}
+    identity = run_identity(config.task, model_config(), advantage="grpo", noise=noise)
+    resume_run(load_run(path, identity), resumed.trained())
     for saved, loaded in zip(policy.parameters(), resumed.policy.parameters(), strict=True):
         torch.testing.assert_close(saved, loaded)
     gae = ppo.PPOConfig(max_episode_steps=MAX_EPISODE_STEPS)
     with pytest.raises(ValueError, match="advantage: saved 'grpo', this run 'gae'"):
-        load_run(path, ppo.run_identity(gae, model_config()))
+        load_run(path, run_identity(gae.task, model_config(), advantage=gae.advantage, noise=noise))

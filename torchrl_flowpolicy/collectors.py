@@ -16,6 +16,10 @@ initial states depend on the run seed and the iteration alone (over all workers 
 ``torchrun``, all ranks). With ``group_size > 1`` (group-relative advantages) the seeds
 count groups: the ``group_size`` environments of a group start from one state.
 
+An off-policy run (DSRL's SAC) collects with :func:`make_replay_collector` instead: one
+``Collector`` whose environments keep stepping across batches, uniform random actions for
+a warm-up, and as many batches as the run's env-step budget has left.
+
 Example:
     >>> from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions
     >>> from torchrl_flowpolicy.networks import MLPVelocityNetwork
@@ -59,6 +63,7 @@ __all__ = [
     "TaskEnvFactory",
     "CollectorOptions",
     "make_collector",
+    "make_replay_collector",
     "first_reset_seed",
     "seed_batch",
     "merge_worker_batches",
@@ -222,6 +227,44 @@ def make_collector(
         num_threads=options.worker_threads,
         num_sub_threads=1,
         **settings,
+    )
+
+
+def make_replay_collector(
+    actor: nn.Module,
+    env: EnvBase,
+    *,
+    decisions_per_batch: int,
+    executed_chunk_length: int,
+    random_env_steps: int,
+    remaining_env_steps: int,
+    buffered_decisions: int,
+    seed: int,
+) -> Collector:
+    """An off-policy run's collector: TorchRL's ``Collector`` in this process, RANDOM
+    exploration (actions sampled from ``actor``), uniform random actions for the first
+    ``random_env_steps`` (less the ``buffered_decisions`` a resumed run's buffer already
+    holds), and batches of ``decisions_per_batch`` until ``remaining_env_steps`` are spent
+    (counting ``executed_chunk_length`` env steps per decision: an upper bound).
+
+    The collector resets ``env`` when it is built, so the env is seeded first with ``seed``
+    (that of the first batch it collects); its later resets continue each environment's
+    stream. Its batches are on ``env.device`` (the actor's, the env's tensors').
+    """
+    steps_per_batch = decisions_per_batch * executed_chunk_length
+    random_decisions = max(random_env_steps // executed_chunk_length - buffered_decisions, 0)
+    random_decisions = -(-random_decisions // decisions_per_batch) * decisions_per_batch
+    remaining_batches = -(-max(remaining_env_steps, 0) // steps_per_batch)
+    env.set_seed(seed)
+    return Collector(
+        env,
+        actor,
+        frames_per_batch=decisions_per_batch,
+        total_frames=remaining_batches * decisions_per_batch,  # 0: a finished run
+        init_random_frames=random_decisions,
+        exploration_type=ExplorationType.RANDOM,
+        auto_register_policy_transforms=False,  # the actor is not recurrent
+        device=env.device,
     )
 
 

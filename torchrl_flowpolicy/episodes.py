@@ -9,7 +9,8 @@ A PPO iteration prepares its batch with these before the loss:
 * :func:`group_relative_episodes` keeps each environment's first episode with its
   group-relative advantage (:class:`~torchrl_flowpolicy.objectives.GroupRelativeAdvantage`,
   groups of ``group_size`` consecutive environments), and :func:`group_statistics` reports
-  on the groups.
+  on the groups;
+* :func:`batch_statistics`: the success and the chunk reward a training run logs.
 
 Example:
     >>> import torch
@@ -28,7 +29,12 @@ from tensordict import TensorDictBase
 
 from torchrl_flowpolicy.objectives import GroupRelativeAdvantage
 
-__all__ = ["episode_success_flags", "group_relative_episodes", "group_statistics"]
+__all__ = [
+    "episode_success_flags",
+    "group_relative_episodes",
+    "group_statistics",
+    "batch_statistics",
+]
 
 
 def episode_success_flags(batch: TensorDictBase) -> torch.Tensor:
@@ -75,3 +81,16 @@ def group_statistics(
         "grpo/zero_std_groups": no_spread.float().mean().item(),
         "grpo/kept_decisions": episodes.numel() / collected_decisions,
     }
+
+
+def batch_statistics(batch: TensorDictBase) -> dict[str, float]:
+    """A collected batch's training statistics: ``"train/episode_success"``, the success
+    rate of the episodes that ended in it (absent when none did), and
+    ``"train/chunk_reward"``, the mean reward per decision."""
+    done = batch["next", "done"].squeeze(-1)
+    statistics = {}
+    if done.any():
+        success = batch["next", "success"].squeeze(-1)[done].float()
+        statistics["train/episode_success"] = success.mean().item()
+    statistics["train/chunk_reward"] = batch["next", "reward"].mean().item()
+    return statistics

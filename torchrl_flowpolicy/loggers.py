@@ -6,6 +6,7 @@ offline). For an exact resume, the CSV files must end up holding the rows of an
 uninterrupted run: the rows the killed run logged after its last checkpoint, which the
 resumed run logs again, are removed when it starts (:func:`drop_rows_after`, the one place
 that edits a logger's files). wandb writes a new offline run for the resumed one.
+:class:`MetricWindow` gathers the training metrics and timings between two logged rows.
 
 Example:
     >>> import tempfile
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from torchrl.record.loggers import CSVLogger, Logger, WandbLogger
 
 from torchrl_flowpolicy.checkpoint import atomic_write
 
-__all__ = ["MetricLogger", "drop_rows_after"]
+__all__ = ["MetricLogger", "MetricWindow", "drop_rows_after"]
 
 
 class MetricLogger:
@@ -82,6 +84,42 @@ class MetricLogger:
         for logger in self.loggers:
             for name, value in metrics.items():
                 logger.log_scalar(name, value, step=step)
+
+
+@dataclass
+class MetricWindow:
+    """Training metrics and timings gathered between two logged rows (or over one update
+    round): every value :meth:`add` received, averaged by :meth:`means`.
+
+    Example:
+        >>> window = MetricWindow(collect_seconds=2.0, env_steps=600)
+        >>> window.add("loss_actor", 1.0)
+        >>> window.add("loss_actor", 3.0)
+        >>> window.row(updates=10)
+        {'loss/actor': 2.0, 'perf/env_steps_per_second': 300.0, 'updates': 10}
+    """
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    collect_seconds: float = 0.0
+    update_seconds: float = 0.0
+    env_steps: int = 0
+    updates: int = 0
+
+    def add(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(value)
+
+    def means(self) -> dict[str, float]:
+        """The mean of every metric's values, in the order the metrics first came."""
+        return {name: sum(values) / len(values) for name, values in self.metrics.items()}
+
+    def row(self, updates: int) -> dict[str, float]:
+        """The means, the throughput and the update count, with ``loss_*`` as ``loss/*``."""
+        row = self.means()
+        row["perf/env_steps_per_second"] = self.env_steps / max(self.collect_seconds, 1e-9)
+        if self.updates:
+            row["perf/updates_per_second"] = self.updates / max(self.update_seconds, 1e-9)
+        row["updates"] = updates
+        return {name.replace("loss_", "loss/"): value for name, value in row.items()}
 
 
 def drop_rows_after(scalars: str | Path, step: int) -> list[Path]:

@@ -6,7 +6,8 @@ the :class:`~torchrl_flowpolicy.FlowSDEPolicy` from it and a
 :class:`~torchrl_flowpolicy.sampler.SamplerOptions`. :func:`save_policy` writes a policy
 checkpoint that holds everything needed to rebuild the policy: the architecture, the
 weights (observation normaliser included), the sampler settings, the task and the
-observation layout. :func:`load_policy` reads it back::
+observation layout; :func:`save_policy_run` writes a fine-tuning run's checkpoint with the
+same record beside the run's own state. :func:`load_policy` reads either back::
 
     from torchrl_flowpolicy import load_policy
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -52,6 +54,7 @@ from torchrl_flowpolicy.networks import (
     ObservationNormalizer,
 )
 from torchrl_flowpolicy.policy import FlowSDEPolicy
+from torchrl_flowpolicy.runs import save_run
 from torchrl_flowpolicy.sampler import SamplerOptions
 
 __all__ = [
@@ -61,6 +64,7 @@ __all__ = [
     "build_noise_head",
     "build_value_network",
     "save_policy",
+    "save_policy_run",
     "load_policy",
     "load_policy_checkpoint",
     "SavedPolicy",
@@ -202,6 +206,23 @@ def save_policy(
     ``extra`` entries."""
     record = policy_record(policy, model_config, task)
     save_checkpoint({**record, "policy": policy.state_dict(), **extra}, path)
+
+
+def save_policy_run(
+    path: str | Path,
+    trained: Mapping[str, Any],
+    policy: FlowSDEPolicy,
+    model_config: ModelConfig,
+    *,
+    task: str,
+    **progress: Any,
+) -> None:
+    """A run checkpoint (:func:`~torchrl_flowpolicy.runs.save_run`: the state dicts of
+    ``trained``, ``"policy"`` among them, the ``progress`` entries, the random generators)
+    that also holds :func:`policy_record`, with which :func:`load_policy` rebuilds the
+    fine-tuned policy (learned noise head included) and ``runs.load_run`` checks the
+    run's identity (task, architecture, noise)."""
+    save_run(path, trained, **progress, **policy_record(policy, model_config, task))
 
 
 class SavedPolicy(NamedTuple):

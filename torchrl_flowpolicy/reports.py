@@ -9,8 +9,10 @@ episodes. From it:
 * :func:`held_out_protocol`: the evaluation protocol on held-out seeds
   (:func:`~torchrl_flowpolicy.protocol.protocol_summary`: BC and RL under both decodings,
   the expert, all on the same states and initial noise);
+* :func:`evaluate_on_curve`: a learning-curve point (deterministic, on the curve seeds);
 * :func:`run_summary`: the fields every run's ``summary.json`` holds;
-* :func:`plot_learning_curve`: success (with Wilson bands) and return against env steps.
+* :func:`plot_learning_curve`: success (with Wilson bands) and return against env steps;
+* :func:`write_run_report`: a run's end: the plot, ``summary.json`` and its result lines.
 
 Every evaluation leaves torch's random generator alone (the evaluations draw their noise
 from their own seeded generators), so reporting does not change a run's numbers.
@@ -36,7 +38,7 @@ from torchrl.envs import EnvBase
 
 from torchrl_flowpolicy.collectors import make_task_env
 from torchrl_flowpolicy.envs import get_task
-from torchrl_flowpolicy.evaluation import evaluate_decodings
+from torchrl_flowpolicy.evaluation import evaluate_decodings, evaluate_policy
 from torchrl_flowpolicy.policy import FlowSDEPolicy
 from torchrl_flowpolicy.protocol import (
     CURVE_SEED,
@@ -45,7 +47,7 @@ from torchrl_flowpolicy.protocol import (
     protocol_summary,
     split_seed,
 )
-from torchrl_flowpolicy.runs import save_figure
+from torchrl_flowpolicy.runs import save_figure, write_json
 from torchrl_flowpolicy.statistics import wilson_interval
 
 __all__ = [
@@ -56,9 +58,11 @@ __all__ = [
     "outcome_summary",
     "evaluate_task_expert",
     "curve_baselines",
+    "evaluate_on_curve",
     "held_out_protocol",
     "run_summary",
     "plot_learning_curve",
+    "write_run_report",
 ]
 
 
@@ -140,6 +144,17 @@ def curve_baselines(
         + "; ".join(f"{name} {row['success_rate']:.1%}" for name, row in baselines.items())
     )
     return baselines
+
+
+def evaluate_on_curve(
+    policy: TensorDictModuleBase, env: EnvBase, max_decisions: int, num_episodes: int
+) -> dict[str, float]:
+    """A point of the learning curve: ``policy`` under deterministic exploration on the
+    ``num_episodes`` curve episodes (seeds ``CURVE_SEED``+), as
+    :func:`~torchrl_flowpolicy.evaluation.evaluate_policy` summarises it."""
+    return evaluate_policy(
+        policy, env, max_decisions=max_decisions, seed=CURVE_SEED, num_episodes=num_episodes
+    )
 
 
 def held_out_protocol(
@@ -271,3 +286,31 @@ def plot_learning_curve(
     )
     figure.tight_layout()
     return save_figure(figure, path)
+
+
+def write_run_report(
+    output_dir: str | Path,
+    summary: Mapping[str, Any],
+    *,
+    name: str,
+    title: str,
+    label: str,
+    wall_time: bool = False,
+) -> None:
+    """A run's report in ``output_dir``, from its :func:`run_summary` (which holds
+    ``"wall_seconds"``): ``learning_curve.png`` (:func:`plot_learning_curve` of the history
+    against the curve baselines), ``summary.json`` and two printed lines: BC's and
+    ``name``'s success on the curve seeds (with the update count, if the summary has one),
+    then the held-out protocol's sentence."""
+    output_dir = Path(output_dir)
+    history, baselines = summary["history"], summary["curve_baselines"]
+    curve = output_dir / "learning_curve.png"
+    plot_learning_curve(history, baselines, curve, title=title, label=label, wall_time=wall_time)
+    write_json(output_dir / "summary.json", summary)
+    updates = f", {summary['updates']} updates" if "updates" in summary else ""
+    print(
+        f"curve seeds: BC success {summary['bc_success']:.1%} -> {name} success "
+        f"{summary['rl_success']:.1%} after {summary['env_steps']} env steps{updates} "
+        f"({summary['wall_seconds'] / 60:.1f} min)"
+    )
+    print(f"held-out seeds: {summary['held_out']['line']}")

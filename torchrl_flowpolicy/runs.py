@@ -9,8 +9,9 @@ policy's own checkpoint (:mod:`torchrl_flowpolicy.models`) and the logger
 * a run checkpoint (:func:`save_run`): the state dicts of what the run trains, its progress
   values and every generator's state, written atomically;
 * resume: :func:`require_run_checkpoint` before any work, :func:`load_run` refusing the
-  checkpoint of another run (its *identity*: task, architecture, ...), :func:`resume_run`
-  loading it into the networks and optimisers;
+  checkpoint of another run (its *identity*, :func:`run_identity`: task, architecture, ...),
+  :func:`resume_run` loading it into the networks and optimisers, and an off-policy run's
+  stored decisions (:func:`replay_buffer_state`, :func:`restore_replay_buffer`);
 * the run's device, checked up front (:func:`resolve_device`), and its JSON and PNG outputs
   written atomically (:func:`write_json`, :func:`save_figure`).
 
@@ -38,12 +39,13 @@ import json
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 
 from torchrl_flowpolicy.checkpoint import atomic_write, load_checkpoint, save_checkpoint
 
@@ -55,6 +57,10 @@ __all__ = [
     "require_run_checkpoint",
     "load_run",
     "resume_run",
+    "IMPLIED_IDENTITY",
+    "run_identity",
+    "replay_buffer_state",
+    "restore_replay_buffer",
     "RunProgress",
     "resolve_device",
     "write_json",
@@ -218,6 +224,40 @@ def resume_run(
     if "rng_state" in state:
         state["random_state"] = {"torch": state.pop("rng_state")}
     return state
+
+
+# What a fine-tuning checkpoint saved before an entry of its identity was recorded implies:
+# every run had a critic before GRPO and the fixed Flow-SDE noise before the noise head.
+IMPLIED_IDENTITY: dict[str, Any] = {"advantage": "gae", "noise": {"kind": "fixed"}}
+
+
+def run_identity(task: str, model_config: Any, **entries: Any) -> dict[str, Any]:
+    """A fine-tuning run's identity, for :func:`load_run` (and :func:`save_run`): the task,
+    the pretrained policy's architecture (a dataclass, recorded as a dict; chunking
+    included) and the run's own ``entries`` (the advantage, the noise, network sizes).
+
+    Example:
+        >>> from torchrl_flowpolicy.models import ModelConfig
+        >>> identity = run_identity("pusher", ModelConfig(), advantage="gae")
+        >>> sorted(identity)
+        ['advantage', 'model_config', 'task']
+    """
+    return {"task": task, "model_config": asdict(model_config), **entries}
+
+
+def replay_buffer_state(replay_buffer: Any) -> dict[str, Any]:
+    """The checkpoint entries of a replay buffer's content: its stored decisions only (not
+    the empty capacity) as plain tensors, and their count; :func:`restore_replay_buffer`
+    puts them back."""
+    stored = replay_buffer[: len(replay_buffer)].to_dict()
+    return {"replay_buffer": stored, "buffer_length": len(replay_buffer)}
+
+
+def restore_replay_buffer(replay_buffer: Any, saved: dict[str, Any]) -> None:
+    """Extend ``replay_buffer`` with the decisions :func:`replay_buffer_state` saved, taking
+    its entries out of ``saved`` (what :func:`resume_run` returned)."""
+    stored, length = saved.pop("replay_buffer"), saved.pop("buffer_length")
+    replay_buffer.extend(TensorDict(stored, batch_size=[length]))
 
 
 @dataclass
