@@ -38,8 +38,9 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from torchrl_flowpolicy import runs
+from torchrl_flowpolicy import flow, runs
 from torchrl_flowpolicy.envs import TASKS
+from torchrl_flowpolicy.sampler_options import SamplerOptions
 
 Config = TypeVar("Config")
 
@@ -128,10 +129,18 @@ def check_run_config(config: Any) -> torch.device:
 
     Raises:
         ValueError: options out of bounds or contradicting each other
-            (:func:`validate_config`), an unavailable ``--device``.
+            (:func:`validate_config`), ``--sampler.*`` settings the sampler refuses
+            (:func:`~torchrl_flowpolicy.flow.check_sampler`, the sampler's own check, run
+            here with the random streams left as they were), an unavailable ``--device``.
         FileNotFoundError: ``--resume`` without a checkpoint in ``output_dir``.
     """
     validate_config(config)
+    if isinstance(getattr(config, "sampler", None), SamplerOptions):
+        with torch.random.fork_rng(devices=[]):  # the check may draw from torch's generator
+            try:
+                flow.check_sampler(**config.sampler.to_dict())
+            except ValueError as error:
+                raise ValueError(f"--sampler.*: {error}") from None
     device = runs.resolve_device(config.device)
     if config.resume:
         runs.require_run_checkpoint(Path(config.output_dir) / "checkpoint.pt")
@@ -146,9 +155,11 @@ def _add_options(
     quick: Mapping[str, Any],
     exclude: Collection[str],
     task_defaults: Mapping[str, Mapping[str, Any]],
+    defaults: Any = None,
 ) -> None:
     """Add one option per field of ``config_class`` to ``group``; one more group per nested
-    dataclass (argparse shows groups of the parser only, hence both)."""
+    dataclass (argparse shows groups of the parser only, hence both). ``defaults``: the
+    nested dataclass's default value, whose fields are the defaults shown."""
     hints = typing.get_type_hints(config_class)
     for item in dataclasses.fields(config_class):
         name, kind = f"{prefix}{item.name}", hints[item.name]
@@ -157,10 +168,13 @@ def _add_options(
         help_text = item.metadata["help"].replace("%", "%%")
         if dataclasses.is_dataclass(kind):
             nested = parser.add_argument_group(f"--{name}.*", help_text)
-            _add_options(parser, nested, kind, f"{name}.", quick, exclude, task_defaults)
+            value = item.default_factory() if item.default_factory is not MISSING else item.default
+            _add_options(parser, nested, kind, f"{name}.", quick, exclude, task_defaults, value)
             continue
         required = item.default is MISSING and item.default_factory is MISSING
         default = item.default_factory() if item.default_factory is not MISSING else item.default
+        if defaults is not None:
+            default = getattr(defaults, item.name)
         shown = "required" if required else f"default: {default}"
         for task, values in task_defaults.items():
             shown += f"; --task {task}: {values[name]}" if name in values else ""

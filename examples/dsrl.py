@@ -37,7 +37,7 @@ from torchrl.modules import ProbabilisticActor
 from torchrl.objectives import SACLoss, SoftUpdate
 from tqdm import tqdm
 
-from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions, collectors, episodes, reports, runs
+from torchrl_flowpolicy import FlowSDEPolicy, collectors, episodes, reports, runs
 from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform
 from torchrl_flowpolicy.dsrl_networks import (
     make_noise_actor,
@@ -69,7 +69,7 @@ class DSRLConfig(TaskOptions):
         5_000, "first env steps act with uniform noise (no updates before)", minimum=0
     )
     eval_num_denoising_steps: int = option(
-        20, "K of the decoding ODE (training, evaluation and BC)", minimum=1
+        0, "K of the decoding ODE (0: the pretrained checkpoint's own sampler settings)", minimum=0
     )
     # DSRL noise space and SAC.
     noise_bound: float = option(0.3, "m: the noise lies in [-m, m]^(H x D) (DSRL: 1.5)", above=0)
@@ -349,8 +349,11 @@ def main(config: DSRLConfig) -> dict:
 
     # The pretrained policy (made first when missing), frozen from here on; the --resume
     # checkpoint is refused now if it is another run's.
-    sampler = SamplerOptions(eval_num_denoising_steps=config.eval_num_denoising_steps)
-    policy, model_config, _, pretrained_state = pretrain.load_or_pretrain(config, sampler, device)
+    # The sampler settings the checkpoint saved (its ODE's K replaced when one is given).
+    policy, model_config, _, pretrained_state = pretrain.load_or_pretrain(config, None, device)
+    if config.eval_num_denoising_steps:
+        steps = config.eval_num_denoising_steps
+        policy.options = policy.options.replace(eval_num_denoising_steps=steps)
     checkpoint = output_dir / "checkpoint.pt"
     networks = {"hidden_dim": config.hidden_dim, "num_layers": config.num_layers}
     identity = runs.run_identity(config.task, model_config, networks=networks)

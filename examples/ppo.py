@@ -74,15 +74,12 @@ class PPOConfig(TaskOptions):
     device: str = option("cpu", "torch device of the policy, critic, loss and batches")
     episodes_per_batch: int = option(1, "episodes per environment per PPO iteration", minimum=1)
     total_env_steps: int = option(1_200_000, "environment steps of fine-tuning", minimum=1)
-    # Flow-SDE sampler (rollouts) and the evaluation ODE.
-    noise_level: float = option(0.5, "a: exploration noise of the Flow-SDE step", minimum=0)
-    rollout_noise_scale: float = option(1.0, "std of x_0 (rollouts, learning curve)", minimum=0)
-    num_denoising_steps: int = option(8, "K: denoising steps of rollouts and learner", minimum=1)
-    eval_num_denoising_steps: int = option(20, "K of the deterministic evaluation ODE", minimum=1)
-    sde_mode: Literal["mixed", "last", "all"] = option(
-        "last", "stochastic steps: one random step (mixed), the last num_sde_steps, all"
+    # The Flow-SDE sampler of rollouts and learner, and the evaluation ODE (--sampler.*). The
+    # learning curve decodes with x_0 ~ N(0, I) (eval_noise_scale 1), as the policy samples.
+    sampler: SamplerOptions = option(
+        SamplerOptions(sde_mode="last", eval_noise_scale=1.0),
+        "Flow-SDE sampler (rollouts, learner) and evaluation ODE; saved with every checkpoint",
     )
-    num_sde_steps: int = option(4, "stochastic steps for sde_mode=last", minimum=0)
     noise: Literal["fixed", "learned"] = option("fixed", "learned: a fresh noise head (Flow-Noise)")
     min_noise_std: float = option(0.02, "lower bound of the step std", above=0, requires=LEARNED)
     max_noise_std: float = option(0.3, "upper bound of the step std", above=0, requires=LEARNED)
@@ -180,19 +177,6 @@ QUICK = {
 def parse_args(argv: list[str] | None = None) -> PPOConfig:
     """The command line (``--help``) as a :class:`PPOConfig`, with the task's defaults."""
     return pretrain.parse_run_args(PPOConfig, argv, "ppo", description=__doc__, quick=QUICK)
-
-
-def sampler_options(config: PPOConfig) -> SamplerOptions:
-    """The flow policy's sampler settings (rollouts, learner, evaluation)."""
-    return SamplerOptions(
-        num_denoising_steps=config.num_denoising_steps,
-        eval_num_denoising_steps=config.eval_num_denoising_steps,
-        noise_level=config.noise_level,
-        rollout_noise_scale=config.rollout_noise_scale,
-        eval_noise_scale=config.rollout_noise_scale,
-        sde_mode=config.sde_mode,
-        num_sde_steps=config.num_sde_steps,
-    )
 
 
 def collector_options(
@@ -385,7 +369,7 @@ def main(config: PPOConfig) -> dict:
     # protocol, with a fresh noise head for --noise learned; the --resume checkpoint is
     # refused now if it is another run's (task, architecture, advantage, noise).
     policy, model_config, _, pretrained_state = pretrain.load_or_pretrain(
-        config, sampler_options(config), device, pretrain_here=main_process
+        config, config.sampler, device, pretrain_here=main_process
     )
     bc_policy = copy.deepcopy(policy)
     if config.noise == "learned":  # the pretrained policy has none

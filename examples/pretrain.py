@@ -121,10 +121,15 @@ def run_option() -> Any:
 
 
 def load_or_pretrain(
-    run: Any, sampler: SamplerOptions, device: torch.device | str, *, pretrain_here: bool = True
+    run: Any,
+    sampler: SamplerOptions | None,
+    device: torch.device | str,
+    *,
+    pretrain_here: bool = True,
 ) -> SavedPolicy:
     """A fine-tuning run's pretrained policy (``run.pretrained_checkpoint``, checked against
-    ``run.task``) with the run's ``sampler`` settings, on ``device``; made first by
+    ``run.task``) with the run's ``sampler`` settings (``None``: those the checkpoint saved),
+    on ``device``; made first by
     :func:`main` with :func:`config_for_run` when the checkpoint is missing. Under
     ``torchrun`` only rank 0 has ``pretrain_here``; every rank waits for it."""
     path = Path(run.pretrained_checkpoint)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -18,6 +19,7 @@ import pytest
 import torch
 from conftest import load_example
 
+from torchrl_flowpolicy import SamplerOptions
 from torchrl_flowpolicy.checkpoint import save_checkpoint
 from torchrl_flowpolicy.loggers import MetricLogger
 from torchrl_flowpolicy.models import (
@@ -328,19 +330,17 @@ def test_ppo_options_use_the_library_names(example_modules, capsys):
     with pytest.raises(SystemExit):
         ppo.parse_args(["--help"])
     entries = help_entries(capsys.readouterr().out)
-    for flag in (
-        "--num_denoising_steps",
-        "--eval_num_denoising_steps",
-        "--total_env_steps",
-        "--quick",
-    ):
+    for flag in ("--total_env_steps", "--quick"):
         assert flag in entries
+    # The sampler's settings are one group, --sampler.*: every SamplerOptions field, once.
+    fields = [field.name for field in dataclasses.fields(SamplerOptions)]
+    assert {f"--sampler.{name}" for name in fields} <= set(entries)
     assert "--pretrain.demo_action_noise" in entries
     assert "--pretrain.model.executed_chunk_length" in entries
     # The sampler's settings once, under the library's names: no other spelling, no copy in a group.
     denoising = {flag for flag in entries if "denoising" in flag}
-    assert denoising == {"--num_denoising_steps", "--eval_num_denoising_steps"}
-    assert not any("noise_level" in flag[10:] for flag in entries)
+    assert denoising == {"--sampler.num_denoising_steps", "--sampler.eval_num_denoising_steps"}
+    assert [flag for flag in entries if "noise_level" in flag] == ["--sampler.noise_level"]
     # Set from the run's own options when the pretraining runs: not offered twice.
     assert "--pretrain.seed" not in entries and "--pretrain.reward" not in entries
 
