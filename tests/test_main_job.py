@@ -246,7 +246,7 @@ def test_quick_run_with_learned_noise_saves_and_resumes_the_head(tmp_path, check
     head = {name: value for name, value in saved["policy"].items() if "noise_head." in name}
     assert head and all(torch.isfinite(value).all() for value in head.values())
     # The output layer starts at zero: the actor update (iteration 2) has moved it.
-    assert head["noise_head.mlp.4.weight"].abs().sum() > 0
+    assert head["sampler.noise_head.mlp.4.weight"].abs().sum() > 0
 
     resumed = run(command(tmp_path, *learned, "--resume"))
     assert "resumed from iteration 2" in resumed.stdout
@@ -256,7 +256,7 @@ def test_quick_run_with_learned_noise_saves_and_resumes_the_head(tmp_path, check
     final = load_checkpoint(checkpoint)
     assert final["iteration"] == 4
     assert not torch.equal(
-        final["policy"]["noise_head.mlp.4.weight"], head["noise_head.mlp.4.weight"]
+        final["policy"]["sampler.noise_head.mlp.4.weight"], head["sampler.noise_head.mlp.4.weight"]
     )
     noise_std = tmp_path / "ppo" / "csv" / "ppo_seed0" / "scalars" / "train" / "noise_std.csv"
     rows = [line.split(",") for line in noise_std.read_text().split()]
