@@ -58,8 +58,8 @@ if [[ ! -f "$stamp" ]]; then
         echo "[lerobot-setup] installing torch and torchvision from TORCH_INDEX_URL"
         "${pip[@]}" --index-url "$TORCH_INDEX_URL" torch torchvision
     fi
-    echo "[lerobot-setup] installing lerobot[pi,smolvla], the package's core and gymnasium[mujoco] (pins: $CONSTRAINTS)"
-    "${pip[@]}" "lerobot[pi,smolvla]" "gymnasium[mujoco]" pytest -e .
+    echo "[lerobot-setup] installing the package with [lerobot] (lerobot[pi,smolvla]), gymnasium[mujoco] and pytest (pins: $CONSTRAINTS)"
+    "${pip[@]}" -e ".[lerobot]" "gymnasium[mujoco]" pytest
     "$VENV/bin/python" -m pip check
     rm -f "$VENV"/.installed-*
     touch "$stamp"

@@ -24,12 +24,23 @@ This module imports no LeRobot code: it calls the methods of the policy object i
 (tested with lerobot 0.6.1) and takes LeRobot's mask helpers and cache class from the
 modules that define the model, the ones its own ``sample_actions`` uses.
 
-Example (LeRobot's published checkpoints download weights, so the lines that need them are
-skipped in the doctests; ``tests/lerobot`` runs the same calls on tiny random models):
+Example (a tiny random pi0 built offline; a published checkpoint loads with LeRobot's
+``from_pretrained`` instead, which downloads its weights):
 
-    >>> from torchrl_flowpolicy.integrations.lerobot import flow_policy_from_lerobot
-    >>> from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy  # doctest: +SKIP
-    >>> bridge = flow_policy_from_lerobot(SmolVLAPolicy.from_pretrained("lerobot/smolvla_base"))  # doctest: +SKIP
+    >>> from tensordict import TensorDict
+    >>> from torchrl_flowpolicy.integrations.lerobot_models import random_lerobot_policy
+    >>> lerobot_policy = random_lerobot_policy("pi0", action_dim=3)
+    >>> bridge = flow_policy_from_lerobot(lerobot_policy)
+    >>> bridge.policy.action_shape, bridge.action_dim  # LeRobot's chunk, padded to 8 columns
+    (torch.Size([4, 8]), 3)
+    >>> observation = TensorDict({
+    ...     ("observation", "images", "top"): torch.rand(2, 3, 32, 32),
+    ...     ("observation", "state"): torch.randn(2, 5),
+    ...     ("observation", "language", "tokens"): torch.randint(6, 64, (2, 6)),
+    ...     ("observation", "language", "attention_mask"): torch.ones(2, 6, dtype=torch.bool),
+    ... }, batch_size=[2])
+    >>> bridge.actor(observation)["flow", "chain"].shape  # sampled under RANDOM exploration
+    torch.Size([2, 11, 4, 8])
 """
 
 from __future__ import annotations
@@ -47,6 +58,9 @@ from torch import Tensor, nn
 
 from torchrl_flowpolicy.policy import FlowSDEPolicy
 from torchrl_flowpolicy.sampler import SamplerOptions
+
+#: The doctests need LeRobot (``tests/test_docs.py`` skips them without it).
+__doctest_requires__ = ("lerobot",)
 
 __all__ = [
     "LeRobotFlowPolicy",
@@ -126,12 +140,16 @@ def lerobot_observation_keys(
     family = _family(lerobot_policy)
     names = [name for name in lerobot_policy.config.image_features if "empty_camera" not in name]
     if not names:
-        raise ValueError("the LeRobot policy has no image feature; pi0, pi0.5 and SmolVLA need one.")
+        raise ValueError(
+            "the LeRobot policy has no image feature; pi0, pi0.5 and SmolVLA need one."
+        )
     names += ([] if family == "pi05" else [STATE]) + [LANGUAGE_TOKENS, LANGUAGE_MASK]
     observation_keys = dict(observation_keys or {})
     unknown = sorted(set(observation_keys) - set(names))
     if unknown:
-        raise ValueError(f"observation_keys names {unknown}, which the prefix does not read: {names}.")
+        raise ValueError(
+            f"observation_keys names {unknown}, which the prefix does not read: {names}."
+        )
     return {name: observation_keys.get(name, tuple(name.split("."))) for name in names}
 
 
@@ -200,7 +218,9 @@ class LeRobotPrefix(nn.Module):
                 inputs_embeds=[embeddings, None],
                 use_cache=True,
             )
-            context = (pad_mask, policy.prepare_state(batch)) if self.family == "pi0" else (pad_mask,)
+            context = (
+                (pad_mask, policy.prepare_state(batch)) if self.family == "pi0" else (pad_mask,)
+            )
         layers = [(layer[0], layer[1]) for layer in cache]
         keys = torch.stack([key for key, _ in layers], dim=1)
         values = torch.stack([value for _, value in layers], dim=1)
@@ -264,13 +284,16 @@ class LeRobotPrefixCache(TensorDictModuleBase):
     pi0's padded state, the keys and the values under ``cache_key``. Never tracks gradients.
     """
 
-    def __init__(
-        self, prefix: LeRobotPrefix, in_keys: Sequence[NestedKey], cache_key: NestedKey
-    ):
+    def __init__(self, prefix: LeRobotPrefix, in_keys: Sequence[NestedKey], cache_key: NestedKey):
         super().__init__()
         self.prefix = prefix
         self.in_keys = list(in_keys)
-        names = ["prefix_pad_mask", *(["state"] if prefix.family == "pi0" else []), "keys", "values"]
+        names = [
+            "prefix_pad_mask",
+            *(["state"] if prefix.family == "pi0" else []),
+            "keys",
+            "values",
+        ]
         base = cache_key if isinstance(cache_key, tuple) else (cache_key,)
         self.out_keys = [(*base, name) for name in names]
 
@@ -400,9 +423,3 @@ def flow_policy_from_lerobot(
     )
     actor = policy if context == "inputs" else TensorDictSequential(cache, policy)
     return LeRobotFlowPolicy(policy, actor, prefix, action_dim, keys)
-
-
-def context_bytes(context: Sequence[Tensor]) -> int:
-    """Bytes of one decision's context (the storage of ``context="cache"``), from a batch."""
-    return sum(tensor[0].numel() * tensor.element_size() for tensor in context) if context else 0
-

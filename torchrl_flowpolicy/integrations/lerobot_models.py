@@ -15,6 +15,13 @@ benchmark or an architecture experiment without network access. Here:
 - :func:`random_lerobot_policy` builds either, with LeRobot's own classes, on the CPU.
 
 LeRobot code is imported inside the functions only (``pip install "torchrl_flowpolicy[lerobot]"``).
+
+Example:
+    >>> policy = random_lerobot_policy("pi05", action_dim=3)
+    >>> type(policy).__name__, policy.config.chunk_size, policy.config.max_action_dim
+    ('PI05Policy', 4, 8)
+    >>> sum(parameter.numel() for parameter in policy.parameters()) < 100_000
+    True
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from unittest import mock
+
+#: The doctests need LeRobot (``tests/test_docs.py`` skips them without it).
+__doctest_requires__ = ("lerobot",)
 
 __all__ = ["ModelSizes", "lerobot_sizes", "random_lerobot_policy", "write_smolvlm_folder"]
 

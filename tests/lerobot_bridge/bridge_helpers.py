@@ -1,33 +1,13 @@
-"""The real-LeRobot leg: runs in .venv-lerobot only (``bash scripts/run_lerobot_tests.sh``).
-
-Skipped as a whole where lerobot is not installed (the main environment). Every model is a
-tiny random one built offline (:mod:`torchrl_flowpolicy.integrations.lerobot_models`); the
-hub is switched off before anything imports ``huggingface_hub``.
-"""
+"""Tiny LeRobot models, batches and LeRobot's own sampler for the bridge's tests."""
 
 from __future__ import annotations
 
-import os
+import torch
+from tensordict import TensorDict
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
+from torchrl_flowpolicy.integrations.lerobot_models import random_lerobot_policy
 
-import pytest  # noqa: E402
-
-pytest.importorskip("lerobot")
-
-import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-
-from torchrl_flowpolicy.integrations.lerobot_models import random_lerobot_policy  # noqa: E402
-
-KINDS = ("pi0", "pi05", "smolvla")
 ACTION_DIM, STATE_DIM, IMAGE_SIZE, NUM_TOKENS = 3, 5, 32, 6
-
-
-@pytest.fixture(params=KINDS)
-def kind(request) -> str:
-    return request.param
 
 
 def build(kind: str, folder, seed: int = 0, **config):
@@ -48,9 +28,13 @@ def lerobot_batch(batch_size: int, seed: int = 1) -> dict[str, torch.Tensor]:
     state and token ids (none of them a special SmolVLM token)."""
     generator = torch.Generator().manual_seed(seed)
     return {
-        "observation.images.top": torch.rand(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator),
+        "observation.images.top": torch.rand(
+            batch_size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator
+        ),
         "observation.state": torch.randn(batch_size, STATE_DIM, generator=generator),
-        "observation.language.tokens": torch.randint(6, 60, (batch_size, NUM_TOKENS), generator=generator),
+        "observation.language.tokens": torch.randint(
+            6, 60, (batch_size, NUM_TOKENS), generator=generator
+        ),
         "observation.language.attention_mask": torch.ones(batch_size, NUM_TOKENS, dtype=torch.bool),
     }
 

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import doctest
+import re
+from pathlib import Path
 
 import pytest
-import torch
-from conftest import (
+
+pytest.importorskip("lerobot")
+
+import torch  # noqa: E402
+from bridge_helpers import (  # noqa: E402
     ACTION_DIM,
     as_tensordict,
     build,
@@ -32,7 +37,9 @@ BATCH = 3
 
 def is_vlm(name: str) -> bool:
     """Whether a parameter of a LeRobot policy belongs to its VLM (not the action expert)."""
-    return ".paligemma_with_expert.paligemma." in f".{name}" or ".vlm_with_expert.vlm." in f".{name}"
+    return (
+        ".paligemma_with_expert.paligemma." in f".{name}" or ".vlm_with_expert.vlm." in f".{name}"
+    )
 
 
 def rollout(bridge, td):
@@ -60,9 +67,12 @@ def test_ode_equals_lerobot_sample_actions(kind, tmp_path):
 
 def test_rollout_at_zero_noise_level_is_lerobot_sampler(kind, tmp_path):
     lerobot_policy = build(kind, tmp_path)
-    bridge = flow_policy_from_lerobot(lerobot_policy, options=SamplerOptions(
-        num_denoising_steps=10, eval_num_denoising_steps=10, noise_level=0.0
-    ))
+    bridge = flow_policy_from_lerobot(
+        lerobot_policy,
+        options=SamplerOptions(
+            num_denoising_steps=10, eval_num_denoising_steps=10, noise_level=0.0
+        ),
+    )
     batch = lerobot_batch(BATCH)
     td = rollout(bridge, as_tensordict(batch))
     chain = td["flow", "chain"]
@@ -71,11 +81,15 @@ def test_rollout_at_zero_noise_level_is_lerobot_sampler(kind, tmp_path):
 
 
 @pytest.mark.parametrize("context", ["inputs", "cache"])
-def test_stored_log_probs_rescore_without_drift(kind, context, tmp_path):
+@pytest.mark.parametrize("sde_mode", ["mixed", "all"])
+def test_stored_log_probs_rescore_without_drift(kind, context, sde_mode, tmp_path):
+    """Mixed mode rescores the rollout's batch of decisions in one call of the same size: the
+    log-probs are bitwise equal. "all" rescores 3 steps x 3 decisions in one call of 9, where
+    the matrix products round differently: equal to float precision."""
     lerobot_policy = build(kind, tmp_path)
-    bridge = flow_policy_from_lerobot(
-        lerobot_policy, context=context, options=SamplerOptions(num_denoising_steps=4, sde_mode="all")
-    )
+    options = SamplerOptions(num_denoising_steps=4, sde_mode=sde_mode)
+    bridge = flow_policy_from_lerobot(lerobot_policy, context=context, options=options)
+    tolerance = 0.0 if sde_mode == "mixed" else 1e-5
     td = rollout(bridge, as_tensordict(lerobot_batch(BATCH)))
     stored = td["flow", "step_log_prob"]
     assert bool(td["flow", "sde_mask"].any()) and bool((stored != 0).any())
@@ -86,17 +100,18 @@ def test_stored_log_probs_rescore_without_drift(kind, context, tmp_path):
         with torch.no_grad():
             recomputed = bridge.prefix(*[td[key] for key in bridge.observation_keys.values()])
         torch.testing.assert_close(keys, recomputed[-2], atol=0, rtol=0)
-    assert torch.equal(bridge.policy.log_prob(td), stored)
+    torch.testing.assert_close(bridge.policy.log_prob(td), stored, atol=tolerance, rtol=0)
     td["advantage"] = torch.randn(BATCH, 1)
     out = DenoisingClipPPOLoss(bridge.policy)(td)
-    assert float(out["log_prob_drift"]) == 0.0
-    assert float(out["mean_ratio"]) == 1.0 and float(out["max_ratio"]) == 1.0
+    assert float(out["log_prob_drift"]) <= tolerance
+    assert abs(float(out["mean_ratio"]) - 1) <= tolerance
+    assert abs(float(out["max_ratio"]) - 1) <= tolerance
 
 
 def test_padded_action_columns_are_not_scored(kind, tmp_path):
     bridge = flow_policy_from_lerobot(build(kind, tmp_path))
     assert bridge.action_dim == ACTION_DIM
-    assert bridge.policy.action_mask.tolist() == [True] * ACTION_DIM + [False] * 5
+    assert bridge.policy.sampler.action_mask.tolist() == [True] * ACTION_DIM + [False] * 5
     td = rollout(bridge, as_tensordict(lerobot_batch(BATCH)))
     # sde_mode="mixed": one stochastic step k per decision; move a column of its sample x_(k+1).
     step = td["flow", "sde_mask"].int().argmax(-1)
@@ -123,7 +138,9 @@ def test_ppo_step_moves_the_expert_not_a_frozen_vlm(kind, context, tmp_path):
     td = rollout(bridge, as_tensordict(lerobot_batch(BATCH)))
     td["advantage"] = torch.randn(BATCH, 1)
     before = {name: p.detach().clone() for name, p in lerobot_policy.named_parameters()}
-    optimiser = torch.optim.Adam([p for p in bridge.policy.parameters() if p.requires_grad], lr=1e-2)
+    optimiser = torch.optim.Adam(
+        [p for p in bridge.policy.parameters() if p.requires_grad], lr=1e-2
+    )
     DenoisingClipPPOLoss(bridge.policy)(td)["loss_objective"].backward()
     optimiser.step()
     changed = {n for n, p in lerobot_policy.named_parameters() if not torch.equal(before[n], p)}
@@ -173,7 +190,9 @@ def test_lerobot_reloads_the_fine_tuned_policy(kind, tmp_path):
     start = bridge.policy.decode(as_tensordict(batch), noise)[..., :ACTION_DIM]
     td = rollout(bridge, as_tensordict(batch))
     td["advantage"] = torch.randn(BATCH, 1)
-    optimiser = torch.optim.Adam([p for p in bridge.policy.parameters() if p.requires_grad], lr=1e-2)
+    optimiser = torch.optim.Adam(
+        [p for p in bridge.policy.parameters() if p.requires_grad], lr=1e-2
+    )
     DenoisingClipPPOLoss(bridge.policy)(td)["loss_objective"].backward()
     optimiser.step()
 
@@ -194,7 +213,38 @@ def test_lerobot_reloads_the_fine_tuned_policy(kind, tmp_path):
     assert (start - fine_tuned).abs().max() > 1e-4  # the step changed the chunks
 
 
+def test_bf16_backbone_samples_and_scores_in_float32(kind, tmp_path):
+    """LeRobot's bf16 option (pi0 / pi0.5 ``dtype="bfloat16"``; SmolVLA's VLM in bf16, as
+    ``load_vlm_weights`` loads it): the sampler calls ``denoise_step`` in float32 as LeRobot's
+    own sampler does, the log-probabilities are float32. The chunk matches LeRobot's to bf16
+    precision (measured: 2.4e-7 for pi0 and SmolVLA, 1.5e-5 for pi0.5)."""
+    lerobot_policy = build(kind, tmp_path, **({} if kind == "smolvla" else {"dtype": "bfloat16"}))
+    if kind == "smolvla":
+        lerobot_policy.model.vlm_with_expert.vlm.to(torch.bfloat16)
+    assert torch.bfloat16 in {p.dtype for p in lerobot_policy.parameters()}
+    bridge = flow_policy_from_lerobot(lerobot_policy)
+    batch = lerobot_batch(BATCH)
+    noise = torch.randn(BATCH, *bridge.policy.action_shape)
+    reference = reference_actions(lerobot_policy, batch, noise.clone())
+    ours = bridge.policy.decode(as_tensordict(batch), noise)
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+    td = rollout(bridge, as_tensordict(batch))
+    assert td["action_log_prob"].dtype == td["flow", "chain"].dtype == torch.float32
+    assert torch.equal(bridge.policy.log_prob(td), td["flow", "step_log_prob"])
+
+
 def test_module_examples_run():
     for module in (bridge_module, lerobot_models):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-        assert result.failed == 0
+        assert result.attempted > 0 and result.failed == 0
+
+
+def test_lerobot_page_code_runs():
+    """docs/lerobot.md's python blocks, in order in one namespace (the main environment's
+    page test skips this page: it needs lerobot)."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "lerobot.md"
+    blocks = re.findall(r"^```python[^\n]*\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL)
+    assert blocks
+    namespace: dict = {"__name__": "docs_lerobot"}
+    for index, block in enumerate(blocks):
+        exec(compile(block, f"docs/lerobot.md (python block {index})", "exec"), namespace)
