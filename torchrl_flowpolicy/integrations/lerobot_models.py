@@ -58,7 +58,8 @@ class ModelSizes:
     pi0's joint attention reshapes with 8 heads (``compute_layer_complete``), so keep
     ``num_heads=8`` for pi0 / pi0.5 if LeRobot's training forward is used. The action expert
     of pi0 / pi0.5 has ``expert_width`` and otherwise the language model's sizes; SmolVLA's
-    expert width is its ``expert_width_multiplier`` times ``width``.
+    expert width is its ``expert_width_multiplier`` times ``width``. ``scale_factor`` is
+    SmolVLM's pixel shuffle (``image_size / patch_size`` must be a multiple of it).
     """
 
     width: int = 16
@@ -74,6 +75,7 @@ class ModelSizes:
     vision_heads: int = 2
     patch_size: int = 16
     vocab_size: int = 64
+    scale_factor: int = 2
 
 
 @contextlib.contextmanager
@@ -166,7 +168,7 @@ def write_smolvlm_folder(folder: str | Path, sizes: ModelSizes, image_size: int)
             "image_size": image_size,
             "patch_size": sizes.patch_size,
         },
-        scale_factor=2,
+        scale_factor=sizes.scale_factor,
         vocab_size=sizes.vocab_size,
     ).save_pretrained(folder)
     SmolVLMProcessor(
