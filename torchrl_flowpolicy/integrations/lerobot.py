@@ -45,7 +45,6 @@ Example (a tiny random pi0 built offline; a published checkpoint loads with LeRo
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -336,24 +335,6 @@ class LeRobotFlowPolicy(NamedTuple):
     observation_keys: dict[str, NestedKey]
 
 
-def _flow_sde_policy(velocity: LeRobotVelocity, **kwargs: Any) -> FlowSDEPolicy:
-    """``FlowSDEPolicy(velocity, **kwargs)``, through the sampler options and the action mask
-    where the constructor takes them (the settings one by one otherwise)."""
-    parameters = inspect.signature(FlowSDEPolicy).parameters
-    if "options" in parameters:
-        return FlowSDEPolicy(velocity, **kwargs)
-    options, mask = kwargs.pop("options"), kwargs.pop("action_mask")
-    kwargs.pop("network_dtype")
-    if not bool(mask.all()):
-        raise NotImplementedError(
-            "this FlowSDEPolicy has no action_mask: a LeRobot policy whose action_dim is "
-            "smaller than max_action_dim needs the sampler that masks padded columns."
-        )
-    names = {"num_denoising_steps": "num_steps", "eval_num_denoising_steps": "eval_num_steps"}
-    settings = {names.get(name, name): value for name, value in options.to_dict().items()}
-    return FlowSDEPolicy(velocity, **settings, **kwargs)
-
-
 def flow_policy_from_lerobot(
     lerobot_policy: nn.Module,
     *,
@@ -408,7 +389,7 @@ def flow_policy_from_lerobot(
             f"max_action_dim={max_action_dim}."
         )
     cache = LeRobotPrefixCache(prefix, list(keys.values()), cache_key)
-    policy = _flow_sde_policy(
+    policy = FlowSDEPolicy(
         velocity,
         action_shape=velocity.action_shape,
         in_keys=list(keys.values()) if context == "inputs" else cache.out_keys,
