@@ -27,8 +27,9 @@ from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.envs.utils import ExplorationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from torchrl_flowpolicy.envs import get_task  # noqa: E402
+from torchrl_flowpolicy.envs import TASKS, get_task  # noqa: E402
 from torchrl_flowpolicy.networks import ObservationNormalizer  # noqa: E402
+from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
 
 from common import (  # noqa: E402
     ModelConfig,
@@ -76,7 +77,7 @@ def time_collector(collector, batches: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="pusher", choices=["pusher", "lift"])
+    parser.add_argument("--task", default="pusher", choices=sorted(TASKS))
     parser.add_argument("--num-envs", type=int, default=16)
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=4)
@@ -92,7 +93,11 @@ def main() -> None:
     normalizer = ObservationNormalizer(
         torch.zeros(task.observation_dim), torch.ones(task.observation_dim)
     )
-    policy = build_policy(model, normalizer, num_steps=8, sde_mode="last", num_sde_steps=4)
+    policy = build_policy(
+        model,
+        normalizer,
+        options=SamplerOptions(num_denoising_steps=8, sde_mode="last", num_sde_steps=4),
+    )
     frames = args.num_envs * decisions_per_episode(config.max_episode_steps, 4)
     rates: dict[int, list[float]] = {1: [], 2: []}
     for round_index in range(args.rounds):

@@ -129,7 +129,7 @@ def run_rank(
     normalizer = ObservationNormalizer(
         torch.zeros(model_config.observation_dim), torch.ones(model_config.observation_dim)
     )
-    policy = build_policy(model_config, normalizer, **ppo.sampler_options(config))
+    policy = build_policy(model_config, normalizer, ppo.sampler_options(config))
     executed = model_config.executed_chunk_length
     learner = ppo.make_learner(policy, config, executed)
     decisions = ppo.decisions_per_episode(config.max_episode_steps, executed)

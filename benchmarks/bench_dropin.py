@@ -59,6 +59,7 @@ from torchrl.modules import MLP, ProbabilisticActor, TanhNormal
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.envs.chunking import ClampAction, make_chunked_env
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 ENV_NAME = "HalfCheetah-v5"
 OBSERVATION_DIM, ACTION_DIM = 17, 6
@@ -105,11 +106,17 @@ def make_stock_actor(env: TransformedEnv, hidden: int, layers: int) -> Probabili
     )
 
 
-def make_flow_policy(chunk: int, num_steps: int, hidden: int, layers: int) -> FlowSDEPolicy:
+def make_flow_policy(
+    chunk: int, num_denoising_steps: int, hidden: int, layers: int
+) -> FlowSDEPolicy:
     chunk_shape = (chunk, ACTION_DIM)
     action_shape = (ACTION_DIM,) if chunk == 1 else chunk_shape
     network = MLPVelocityNetwork(OBSERVATION_DIM, chunk_shape, hidden_dim=hidden, num_layers=layers)
-    return FlowSDEPolicy(network, action_shape=action_shape, num_steps=num_steps)
+    return FlowSDEPolicy(
+        network,
+        action_shape=action_shape,
+        options=SamplerOptions(num_denoising_steps=num_denoising_steps),
+    )
 
 
 def env_steps_of(batch: TensorDictBase) -> int:
@@ -140,13 +147,13 @@ def measure_collection(args: argparse.Namespace) -> dict:
         spec_env = make_env(chunk)
         stock = make_stock_actor(spec_env, args.hidden, args.layers)
         spec_env.close()
-        flow_policy = make_flow_policy(chunk, args.num_steps, args.hidden, args.layers)
-        arms = {"stock": (stock, False), f"flow K={args.num_steps}": (flow_policy, False)}
-        for num_steps in args.collect_steps:
-            policy = make_flow_policy(chunk, num_steps, args.hidden, args.layers)
-            arms[f"flow K={num_steps}"] = (policy, False)
+        flow_policy = make_flow_policy(chunk, args.num_denoising_steps, args.hidden, args.layers)
+        arms = {"stock": (stock, False), f"flow K={args.num_denoising_steps}": (flow_policy, False)}
+        for num_denoising_steps in args.collect_steps:
+            policy = make_flow_policy(chunk, num_denoising_steps, args.hidden, args.layers)
+            arms[f"flow K={num_denoising_steps}"] = (policy, False)
         if args.compile:
-            arms[f"flow K={args.num_steps} compiled"] = (flow_policy, True)
+            arms[f"flow K={args.num_denoising_steps} compiled"] = (flow_policy, True)
         collectors, iterators = {}, {}
         for arm, (policy, compile_policy) in arms.items():
             collectors[arm] = Collector(
@@ -223,10 +230,10 @@ def component_times(chunk: int, args: argparse.Namespace) -> dict[str, float]:
     observation = env.reset()
     stock = make_stock_actor(env, args.hidden, args.layers)
     flows = {
-        num_steps: make_flow_policy(chunk, num_steps, args.hidden, args.layers)
-        for num_steps in sorted({args.num_steps, *args.compare_steps})
+        num_denoising_steps: make_flow_policy(chunk, num_denoising_steps, args.hidden, args.layers)
+        for num_denoising_steps in sorted({args.num_denoising_steps, *args.compare_steps})
     }
-    network = flows[args.num_steps].velocity_network
+    network = flows[args.num_denoising_steps].velocity_network
     x = torch.randn(1, chunk, ACTION_DIM)
     sigma, context = torch.rand(1), observation["observation"].reshape(1, -1)
     actions = [env.full_action_spec_unbatched["action"].rand() for _ in range(64)]
@@ -244,15 +251,17 @@ def component_times(chunk: int, args: argparse.Namespace) -> dict[str, float]:
         "stock network call": lambda: stock_network(context),
         "flow network call": lambda: network(x, sigma, context),
     }
-    for num_steps, policy in flows.items():
-        calls[f"flow K={num_steps}"] = lambda policy=policy: policy(observation.copy())
+    for num_denoising_steps, policy in flows.items():
+        calls[f"flow K={num_denoising_steps}"] = lambda policy=policy: policy(observation.copy())
     with torch.no_grad(), set_exploration_type(ExplorationType.RANDOM):
         if args.compile:  # what Collector(compile_policy=True) runs; compiles on first call
-            compiled = torch.compile(flows[args.num_steps])
+            compiled = torch.compile(flows[args.num_denoising_steps])
             start = time.perf_counter()
             compiled(observation.copy())
             print(f"H = {chunk}: torch.compile took {time.perf_counter() - start:.0f} s")
-            calls[f"flow K={args.num_steps} compiled"] = lambda: compiled(observation.copy())
+            calls[f"flow K={args.num_denoising_steps} compiled"] = lambda: compiled(
+                observation.copy()
+            )
         times = time_interleaved(calls, args.component_rounds, args.calls)
     env.close()
     return times
@@ -275,14 +284,18 @@ def report(collection: dict, components: dict, args: argparse.Namespace) -> dict
     others = [arm for arm in arms if arm != "stock"]
     lines = ["", "Collection (medians over rounds; ratios: medians of per-round ratios, q25-q75)"]
     header = ["H", "frames/batch"] + [f"{arm} frames/s" for arm in arms]
-    header += [f"{arm} / stock" for arm in others] + [f"floor ratio (K={args.num_steps} calls)"]
+    header += [f"{arm} / stock" for arm in others] + [
+        f"floor ratio (K={args.num_denoising_steps} calls)"
+    ]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     summary = {}
     for chunk, row in collection.items():
         fps, times = row["frames_per_s"], components[chunk]
         # A flow frame at its floor: the stock frame without the stock actor, plus K calls.
         t_stock = 1.0 / fps["stock"]
-        flow_floor = t_stock - times["stock actor"] + args.num_steps * times["flow network call"]
+        flow_floor = (
+            t_stock - times["stock actor"] + args.num_denoising_steps * times["flow network call"]
+        )
         floor_ratio = t_stock / flow_floor
         cells = [str(chunk), str(row["frames_per_batch"])]
         cells += [f"{fps[arm]:.0f}" for arm in arms]
@@ -351,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     load_before = load_average()
     print(
-        f"{ENV_NAME}, {args.env_steps_per_batch} env steps per batch, K = {args.num_steps}, "
+        f"{ENV_NAME}, {args.env_steps_per_batch} env steps per batch, K = {args.num_denoising_steps}, "
         f"MLPs {args.layers} x {args.hidden}, {args.threads} thread(s), {args.rounds} rounds x "
         f"{args.batches} batches; torch {torch.__version__}, torchrl {torchrl.__version__}, "
         f"{platform.processor() or platform.machine()}, load average {load_before}"

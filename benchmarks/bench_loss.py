@@ -57,10 +57,11 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
 from torchrl_flowpolicy.policy import FlowSDEPolicy
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 from benchmark_networks import ACTION_SHAPE, NETWORKS, OBSERVATION_DIM, build_networks
 
-NUM_STEPS = 8
+NUM_DENOISING_STEPS = 8
 NOISE_LEVEL = 0.5
 CLIP_EPSILON = 0.2
 GOAL = 1.3
@@ -97,9 +98,9 @@ class Workload:
             network,
             action_shape=ACTION_SHAPE,
             encoder=encoder,
-            num_steps=NUM_STEPS,
-            noise_level=NOISE_LEVEL,
-            sde_mode="mixed",
+            options=SamplerOptions(
+                num_denoising_steps=NUM_DENOISING_STEPS, noise_level=NOISE_LEVEL, sde_mode="mixed"
+            ),
         )
         observation = torch.randn(batch_size, OBSERVATION_DIM)
         with set_exploration_type(ExplorationType.RANDOM), torch.no_grad():
@@ -117,7 +118,7 @@ class Workload:
         self.old_log_prob = self.data["flow", "step_log_prob"].sum(-1)
         step = self.sde_mask.long().argmax(-1)
         decision = torch.arange(batch_size)
-        self.sigmas = flow.sigma_grid(NUM_STEPS)
+        self.sigmas = flow.sigma_grid(NUM_DENOISING_STEPS)
         self.x_coefficient, self.velocity_coefficient, self.std = flow.step_coefficients(
             self.sigmas, NOISE_LEVEL
         )
@@ -144,7 +145,7 @@ class Workload:
         batch_size = chain.shape[0]
         x = chain[:, 0]
         log_prob = chain.new_zeros(batch_size)
-        for step in range(NUM_STEPS):
+        for step in range(NUM_DENOISING_STEPS):
             velocity = network(x, self.sigmas[step].expand(batch_size), self.context)
             stochastic = mask[:, step]
             x_coefficient = torch.where(stochastic, self.x_coefficient[step], 1.0)
@@ -257,25 +258,24 @@ def profile(
     loss, policy, data = workload.loss, workload.policy, workload.data
     pieces: dict[str, Callable[[], object]] = {
         "clone(False)": lambda: data.clone(False),
-        "advantage": lambda: loss._advantage(data),
+        "advantage": lambda: loss.advantage(data),
         "context (no_grad)": lambda: policy.context(data, grad=False),
-        "stored chain + mask": lambda: (
-            policy._stored(data, ("flow", "chain"), (NUM_STEPS + 1, *ACTION_SHAPE)),
-            policy._stored(data, ("flow", "sde_mask"), (NUM_STEPS,)),
-        ),
+        "stored chain + mask": lambda: policy.stored_chain(data),
         "nonzero + gather": lambda: _gather(data),
         "network forward": lambda: policy.velocity_network(
             workload.plain_x, workload.plain_sigma, workload.context
         ),
-        "stochastic_steps (all)": lambda: loss._stochastic_steps(data),
+        "stochastic_steps (all)": lambda: loss.stochastic_steps(data),
     }
-    steps = loss._stochastic_steps(data)
-    log_prob = flow.gaussian_log_prob(steps.sample, steps.mean, steps.std)
-    pieces["gaussian_log_prob"] = lambda: flow.gaussian_log_prob(
-        steps.sample, steps.mean, steps.std
+    steps = loss.stochastic_steps(data)
+    log_prob = policy.sampler.log_prob(steps)
+    pieces["gaussian_log_prob"] = lambda: policy.sampler.log_prob(steps)
+    pieces["old log-prob gather"] = lambda: loss.old_step_log_prob(data, steps)
+    shape = data["flow", "sde_mask"].shape
+    sde_mask = flow.scatter_steps(steps, torch.ones_like(steps.step_index, dtype=torch.bool), shape)
+    pieces["reduce (scatter + mask)"] = lambda: loss.reduce_steps(
+        flow.scatter_steps(steps, log_prob, shape), sde_mask, data
     )
-    pieces["old log-prob gather"] = lambda: loss._old_log_prob(data, steps)
-    pieces["reduce (scatter + mask)"] = lambda: loss._reduce_steps(log_prob, steps, data)
     pieces["loss forward (total)"] = lambda: loss(data)
     times: dict[str, list[float]] = {piece: [] for piece in pieces}
     for _ in range(repeats):
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     warmup = 1 if arguments.quick else 3
     print(
         f"torch {torch.__version__}, torchrl {torchrl.__version__}, threads "
-        f"{torch.get_num_threads()}, K={NUM_STEPS}, noise_level={NOISE_LEVEL}, mixed, "
+        f"{torch.get_num_threads()}, K={NUM_DENOISING_STEPS}, noise_level={NOISE_LEVEL}, mixed, "
         f"batch {arguments.batch_size}; {rounds} interleaved rounds x {calls_per_round} calls"
         + ("; check_data=False" if arguments.no_check_data else "")
     )
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             "torchrl": torchrl.__version__,
             "python": platform.python_version(),
             "threads": torch.get_num_threads(),
-            "num_steps": NUM_STEPS,
+            "num_denoising_steps": NUM_DENOISING_STEPS,
             "noise_level": NOISE_LEVEL,
             "sde_mode": "mixed",
             "action_shape": list(ACTION_SHAPE),

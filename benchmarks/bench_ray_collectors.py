@@ -28,6 +28,7 @@ from tensordict import TensorDict
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 from torchrl_flowpolicy.networks import ObservationNormalizer  # noqa: E402
+from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
 
 import ppo  # noqa: E402
 from common import ModelConfig, build_policy, decisions_per_episode, env_steps  # noqa: E402
@@ -86,9 +87,7 @@ def main() -> None:
     policy = build_policy(
         ModelConfig(),
         ObservationNormalizer(torch.zeros(23), torch.ones(23)),
-        num_steps=8,
-        sde_mode="last",
-        num_sde_steps=4,
+        options=SamplerOptions(num_denoising_steps=8, sde_mode="last", num_sde_steps=4),
     )
     rates: dict[tuple[str, int], list[float]] = {setup: [] for setup in SETUPS}
     build_seconds: dict[tuple[str, int], list[float]] = {setup: [] for setup in SETUPS}

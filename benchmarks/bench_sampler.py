@@ -50,10 +50,11 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.policy import FlowSDEPolicy
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 from benchmark_networks import ACTION_SHAPE, NETWORKS, OBSERVATION_DIM, build_networks
 
-NUM_STEPS = 8
+NUM_DENOISING_STEPS = 8
 NOISE_LEVEL = 0.5
 
 
@@ -83,13 +84,13 @@ def make_bare_sampler(
     network: nn.Module, encoder: nn.Module | None, batch_size: int
 ) -> Callable[[Tensor], Tensor]:
     """A bare Euler sampler ``observation -> x_K`` (the baseline)."""
-    sigmas = flow.sigma_grid(NUM_STEPS, 1.0, dtype=torch.float32)
+    sigmas = flow.sigma_grid(NUM_DENOISING_STEPS, 1.0, dtype=torch.float32)
     step_sizes = sigmas[1:] - sigmas[:-1]
 
     def sample(observation: Tensor) -> Tensor:
         context = observation if encoder is None else encoder(observation)
         x = torch.randn(batch_size, *ACTION_SHAPE)
-        for step in range(NUM_STEPS):
+        for step in range(NUM_DENOISING_STEPS):
             velocity = network(x, sigmas[step].expand(batch_size), context)
             x = x + velocity * step_sizes[step]
         return x
@@ -122,9 +123,9 @@ def measure(name: str, batch_size: int, *, rounds: int, calls_per_round: int, wa
         network,
         action_shape=ACTION_SHAPE,
         encoder=encoder,
-        num_steps=NUM_STEPS,
-        noise_level=NOISE_LEVEL,
-        sde_mode="mixed",
+        options=SamplerOptions(
+            num_denoising_steps=NUM_DENOISING_STEPS, noise_level=NOISE_LEVEL, sde_mode="mixed"
+        ),
     ).eval()  # inference mode, as a collector's policy
     observation = torch.randn(batch_size, OBSERVATION_DIM)
     bare = make_bare_sampler(network, encoder, batch_size)
@@ -144,7 +145,7 @@ def measure(name: str, batch_size: int, *, rounds: int, calls_per_round: int, wa
         policy(inputs[index])
 
     probe = policy(TensorDict({"observation": observation}, batch_size=[batch_size]))
-    if probe["flow", "chain"].shape != (batch_size, NUM_STEPS + 1, *ACTION_SHAPE):
+    if probe["flow", "chain"].shape != (batch_size, NUM_DENOISING_STEPS + 1, *ACTION_SHAPE):
         raise RuntimeError("the policy did not run its RANDOM-exploration sampler.")
 
     time_calls(run_bare, warmup)
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     load_before = _load_average()
     print(
         f"torch {torch.__version__}, torchrl {torchrl.__version__}, threads "
-        f"{torch.get_num_threads()}, K={NUM_STEPS}, noise_level={NOISE_LEVEL}, mixed; "
+        f"{torch.get_num_threads()}, K={NUM_DENOISING_STEPS}, noise_level={NOISE_LEVEL}, mixed; "
         f"{rounds} interleaved rounds x {calls_per_round} calls; "
         f"{os.cpu_count()} CPUs, load average {load_before}"
     )
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             "torchrl": torchrl.__version__,
             "python": platform.python_version(),
             "threads": torch.get_num_threads(),
-            "num_steps": NUM_STEPS,
+            "num_denoising_steps": NUM_DENOISING_STEPS,
             "noise_level": NOISE_LEVEL,
             "sde_mode": "mixed",
             "action_shape": list(ACTION_SHAPE),

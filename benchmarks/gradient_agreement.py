@@ -35,6 +35,7 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from torchrl_flowpolicy.envs import get_task  # noqa: E402
+from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
 
 from common import load_policy  # noqa: E402
 
@@ -101,7 +102,7 @@ def main() -> None:
     if "terminate_on_success" in task.option_names:
         options["terminate_on_success"] = args.reward == "success"
     if "max_episode_steps" in task.option_names:
-        options["max_episode_steps"] = task.defaults["max_episode_steps"]
+        options["max_episode_steps"] = task.max_episode_steps
     for setting in args.settings:
         noise_level, sde_mode, num_sde_steps, rollout_noise_scale = setting.split(",")
         sampler = {
@@ -110,9 +111,11 @@ def main() -> None:
             "num_sde_steps": int(num_sde_steps),
             "rollout_noise_scale": float(rollout_noise_scale),
         }
-        policy, model_config, _ = load_policy(Path(args.checkpoint), **sampler)
+        policy, model_config, _ = load_policy(
+            Path(args.checkpoint), SamplerOptions(**sampler), task=task
+        )
         executed = model_config.executed_chunk_length
-        args.decisions = horizon or math.ceil(task.defaults["max_episode_steps"] / executed)
+        args.decisions = horizon or math.ceil(task.max_episode_steps / executed)
         env = task.make_env(args.episodes, executed, **options)
         cosines, successes = [], []
         for repeat in range(args.repeats):

@@ -27,6 +27,7 @@ from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from torchrl_flowpolicy.envs.robosuite_tasks import OBSERVATION_SLICES, RobosuiteGymEnv
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from common import load_policy  # noqa: E402
@@ -55,14 +56,14 @@ def closest_approach(policy, env: RobosuiteGymEnv, seed: int) -> dict[str, float
 def action_spread(path: Path, observation, setting: str) -> dict[str, object]:
     """Per-entry std of the first executed action over 512 rollout chains."""
     noise_level, sde_mode, num_sde_steps, rollout_noise_scale = setting.split(",")
-    policy, _, _ = load_policy(
-        path,
+    options = SamplerOptions(
         noise_level=float(noise_level),
         sde_mode=sde_mode,
         num_sde_steps=int(num_sde_steps),
         rollout_noise_scale=float(rollout_noise_scale),
         eval_noise_scale=1.0,  # the ODE from x_0 ~ N(0, I): the model's own spread
     )
+    policy, _, _ = load_policy(path, options=options)
     batch = TensorDict({"observation": torch.as_tensor(observation).expand(512, -1)}, [512])
     torch.manual_seed(0)
     with set_exploration_type(ExplorationType.RANDOM), torch.no_grad():

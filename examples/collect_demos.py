@@ -63,8 +63,8 @@ def main(cfg: CollectConfig) -> dict:
             cfg.num_episodes,
             cfg.action_noise,
             cfg.seed,
-            cfg.max_episode_steps,
-            cfg.success_threshold,
+            max_episode_steps=cfg.max_episode_steps,
+            success_threshold=cfg.success_threshold,
             directory=cfg.output_dir,
             progress=progress.update,
         )

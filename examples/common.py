@@ -47,7 +47,7 @@ from torchrl.record.loggers import CSVLogger, WandbLogger
 
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.checkpoint import atomic_write, load_checkpoint, save_checkpoint
-from torchrl_flowpolicy.envs import TASKS, get_task, make_chunked_env
+from torchrl_flowpolicy.envs import TASKS, Task, get_task, make_chunked_env
 from torchrl_flowpolicy.evaluation import evaluate_decodings
 from torchrl_flowpolicy.networks import (
     ActionExpertTransformer,
@@ -62,6 +62,7 @@ from torchrl_flowpolicy.protocol import (
     protocol_summary,
     split_seed,
 )
+from torchrl_flowpolicy.sampler import SamplerOptions
 from torchrl_flowpolicy.statistics import wilson_interval
 
 Config = TypeVar("Config")
@@ -239,12 +240,17 @@ def parse_config(
 
 
 # ----------------------------------------------------------------------------- task and model
+# The registry's task names, as the choices of --task.
+TaskName = Literal[tuple(TASKS)]  # type: ignore[valid-type]
+
+
 @dataclass
 class TaskOptions:
     """The task and its settings, shared by every example's config (its first options)."""
 
-    task: Literal["pusher", "lift", "can"] = option(
-        "pusher", "the task (envs.tasks): Pusher-v5, robosuite Lift, robosuite PickPlaceCan"
+    task: TaskName = option(
+        "pusher",
+        "the task (envs.tasks): " + ", ".join(f"{name}: {t.title}" for name, t in TASKS.items()),
     )
     max_episode_steps: int = option(150, "horizon (env steps)", minimum=1)
     success_threshold: float = option(
@@ -265,13 +271,35 @@ def task_options(config: Any) -> dict[str, Any]:
 
 
 def task_defaults(
-    extra: Mapping[str, Mapping[str, Any]] | None = None,
+    script: Literal["pretrain", "ppo", "dsrl", "evaluate"],
 ) -> dict[str, dict[str, Any]]:
-    """What ``--task NAME`` changes in a script's config: the task's own settings
-    (:attr:`~torchrl_flowpolicy.envs.tasks.Task.defaults`), then ``extra[NAME]`` (the
-    script's own per-task values)."""
-    extra = extra or {}
-    return {name: {**task.defaults, **extra.get(name, {})} for name, task in TASKS.items()}
+    """What ``--task NAME`` changes in ``examples/<script>.py``'s config, all read from the
+    task's registry entry (:class:`~torchrl_flowpolicy.envs.tasks.Task`): its environment
+    options (``defaults``), its demonstrations (``demos``: pretrain's ``demo_*``, the
+    ``pretrain.demo_*`` of a fine-tuning run, which pretrains when its checkpoint is
+    missing), its default paths (``output_dir``, ``pretrained_checkpoint``) and its
+    ``run_defaults[script]``."""
+    defaults = {}
+    for name, task in TASKS.items():
+        demos = {
+            "demo_episodes": task.demos.num_episodes,
+            "demo_action_noise": task.demos.action_noise,
+        }
+        if script == "pretrain":
+            paths = {"output_dir": task.output_dir("pretrain"), **demos}
+        elif script == "evaluate":
+            paths = {
+                "checkpoints": task.pretrained_checkpoint,
+                "output_json": f"{task.output_dir('evaluation')}.json",
+            }
+        else:
+            paths = {
+                "output_dir": task.output_dir(script),
+                "pretrained_checkpoint": task.pretrained_checkpoint,
+                **{f"pretrain.{option}": value for option, value in demos.items()},
+            }
+        defaults[name] = {**task.defaults, **paths, **task.run_defaults.get(script, {})}
+    return defaults
 
 
 def resolve_device(name: str) -> torch.device:
@@ -395,7 +423,7 @@ TASK_MODEL_FIELDS = ("observation_dim", "action_dim")
 def build_policy(
     model_config: ModelConfig,
     normalizer: ObservationNormalizer,
-    **sampler: Any,
+    options: SamplerOptions | None = None,
 ) -> FlowSDEPolicy:
     """The reference transformer action expert with an observation encoder."""
     encoder = nn.Sequential(
@@ -417,7 +445,7 @@ def build_policy(
         action_shape=(model_config.chunk_length, model_config.action_dim),
         encoder=encoder,
         executed_chunk_length=model_config.executed_chunk_length,
-        **sampler,
+        options=options,
     )
 
 
@@ -437,10 +465,21 @@ def build_noise_head(
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def save_policy(path: Path, policy: FlowSDEPolicy, model_config: ModelConfig, **extra) -> None:
-    """An atomic policy checkpoint: architecture, weights (with normaliser) and ``extra``."""
+def save_policy(
+    path: Path,
+    policy: FlowSDEPolicy,
+    model_config: ModelConfig,
+    *,
+    task: Task | None = None,
+    **extra,
+) -> None:
+    """An atomic policy checkpoint: architecture, weights (with normaliser) and ``extra``;
+    with ``task``, the task and observation layout it was trained on
+    (:meth:`~torchrl_flowpolicy.envs.tasks.Task.checkpoint_identity`)."""
+    identity = task.checkpoint_identity() if task is not None else {}
     save_checkpoint(
-        {"model_config": asdict(model_config), "policy": policy.state_dict(), **extra}, path
+        {"model_config": asdict(model_config), "policy": policy.state_dict(), **identity, **extra},
+        path,
     )
 
 
@@ -455,17 +494,23 @@ def save_figure(figure: Any, path: str | Path) -> Path:
     return atomic_write(path, lambda file: figure.savefig(file, format="png", dpi=120))
 
 
-def load_policy(path: Path, **sampler: Any) -> tuple[FlowSDEPolicy, ModelConfig, dict]:
+def load_policy(
+    path: Path, options: SamplerOptions | None = None, *, task: Task | None = None
+) -> tuple[FlowSDEPolicy, ModelConfig, dict]:
     """Rebuild a policy saved by :func:`save_policy` (or :func:`save_run` with a ``"policy"``
     and a ``"model_config"``); returns it, its config and the whole checkpoint.
 
     A checkpoint whose ``"noise"`` entry is ``{"kind": "learned", "min_std", "max_std"}`` (a
-    PPO run with ``--noise learned``) gets its noise head back (:func:`build_noise_head`)."""
+    PPO run with ``--noise learned``) gets its noise head back (:func:`build_noise_head`).
+    With ``task``, a checkpoint of another task is refused first, naming both tasks
+    (:meth:`~torchrl_flowpolicy.envs.tasks.Task.check_checkpoint`)."""
     state = load_checkpoint(path)
+    if task is not None:
+        task.check_checkpoint(state, f"the checkpoint at {path}")
     model_config = ModelConfig(**state["model_config"])
     size = model_config.observation_dim
     normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
-    policy = build_policy(model_config, normalizer, **sampler)
+    policy = build_policy(model_config, normalizer, options)
     noise = state.get("noise", {})
     if noise.get("kind") == "learned":
         policy.noise_head = build_noise_head(model_config, noise["min_std"], noise["max_std"])

@@ -6,7 +6,7 @@ Reads the ``summary.json`` that ``examples/ppo.py`` (and ``examples/dsrl.py``) w
         --runs "seed 0=outputs/ppo_seed0/summary.json" "seed 1=outputs/ppo_seed1/summary.json"
 
 Each curve is the run's own learning-curve success (its evaluation sampler, e.g. the ODE
-at ``eval_num_steps`` from ``x_0 ~ N(0, I)`` for ``examples/ppo.py``) against environment
+at ``eval_num_denoising_steps`` from ``x_0 ~ N(0, I)`` for ``examples/ppo.py``) against environment
 steps (and, with ``--wall_time``, against wall-clock minutes), starting from the run's BC level at step 0
 unless the run evaluated its own starting point (DSRL does); each run's BC level is a
 dashed line, and its noise-free BC level (``x_0 = 0``, written by ``examples/dsrl.py``) a
@@ -88,7 +88,7 @@ def default_title(summaries: list[dict]) -> str:
     K = 20)"``, from the summaries' configs (Pusher, K = 20 where a summary has none)."""
     configs = [summary.get("config", {}) for summary in summaries]
     tasks = sorted({config.get("task", "pusher") for config in configs})
-    steps = sorted({config.get("eval_num_steps", 20) for config in configs})
+    steps = sorted({config.get("eval_num_denoising_steps", 20) for config in configs})
     names = " / ".join(TASKS[task].title if task in TASKS else task for task in tasks)
     return f"{names}: evaluation success (ODE, K = {' / '.join(map(str, steps))})"
 

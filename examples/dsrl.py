@@ -68,6 +68,7 @@ from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform  # 
 from torchrl_flowpolicy.envs import decision_discount, get_task  # noqa: E402
 from torchrl_flowpolicy.evaluation import evaluate_policy  # noqa: E402
 from torchrl_flowpolicy.protocol import CURVE_SEED, training_seed  # noqa: E402
+from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
 
 import pretrain  # noqa: E402
 from common import (
@@ -120,7 +121,7 @@ class DSRLConfig(TaskOptions):
     random_env_steps: int = option(
         5_000, "first env steps act with uniform noise (no updates before)", minimum=0
     )
-    eval_num_steps: int = option(
+    eval_num_denoising_steps: int = option(
         20, "K of the decoding ODE (training, evaluation and BC)", minimum=1
     )
     # DSRL noise space and SAC.
@@ -209,13 +210,6 @@ QUICK = {
 }
 
 
-# What --task lift changes (robosuite Lift), with the pretraining's own task defaults.
-RUN_DEFAULTS: dict[str, dict[str, Any]] = {
-    task: {f"pretrain.{name}": value for name, value in values.items()}
-    for task, values in pretrain.DEMO_DEFAULTS.items()
-}
-
-
 def parse_args(argv: list[str] | None = None) -> DSRLConfig:
     """The command line (``--help``) as a :class:`DSRLConfig`."""
     exclude = [f"pretrain.{name}" for name in (*pretrain.RUN_SETTINGS, *pretrain.EXCLUDE)]
@@ -224,7 +218,7 @@ def parse_args(argv: list[str] | None = None) -> DSRLConfig:
         argv,
         description=__doc__,
         quick=QUICK,
-        task_defaults=task_defaults(RUN_DEFAULTS),
+        task_defaults=task_defaults("dsrl"),  # the task's defaults: envs.tasks.TASKS
         exclude=exclude,
     )
 
@@ -686,7 +680,9 @@ def main(config: DSRLConfig) -> dict:
     if not pretrained.is_file():
         pretrain.main(pretrain.config_for_run(config))
     policy, model_config, pretrained_state = load_policy(
-        pretrained, eval_num_steps=config.eval_num_steps
+        pretrained,
+        options=SamplerOptions(eval_num_denoising_steps=config.eval_num_denoising_steps),
+        task=get_task(config.task),
     )
     policy.to(device)
     # --resume: the run checkpoint, refused now if corrupt or of another task or architecture.

@@ -6,7 +6,7 @@ Loads each checkpoint (``examples/pretrain.py``'s ``policy.pt`` or ``examples/pp
 ``eval_episodes`` episodes of the ``split``'s seed range (``torchrl_flowpolicy.protocol``:
 ``curve`` from 10000, the learning curves; ``validation`` from 20000, for choosing defaults,
 hyper-parameters and the reported decoding; ``held_out`` from 30000, final numbers only)
-with the deterministic ODE (``eval_num_steps``) once per scale in ``eval_noise_scales``: the
+with the deterministic ODE (``eval_num_denoising_steps``) once per scale in ``eval_noise_scales``: the
 ODE starts from ``x_0 = scale * N(0, I)``. Scale 1 is the ``"sampled"`` decoding (the
 model's own chunk distribution, that of every learning curve); scale 0 the ``"noise_free"``
 chunk ``x_0 = 0``. With ``uniform_noise_bounds`` it also decodes noise drawn uniformly from
@@ -62,6 +62,7 @@ from torchrl_flowpolicy.protocol import (
     protocol_summary,
     split_seed,
 )
+from torchrl_flowpolicy.sampler import SamplerOptions
 from torchrl_flowpolicy.video import make_render_env, record_episodes
 
 from common import (
@@ -88,7 +89,7 @@ class EvaluateConfig(TaskOptions):
     uniform_noise_bounds: str = option(
         "", "comma-separated m: also decode uniform noise in [-m, m]^(H x D)"
     )
-    eval_num_steps: int = option(20, "K of the deterministic ODE")
+    eval_num_denoising_steps: int = option(20, "K of the deterministic ODE")
     eval_episodes: int = option(50, "evaluation episodes (the first seeds of the split)")
     split: Literal["curve", "validation", "held_out"] = option(
         "validation",
@@ -190,8 +191,11 @@ def video_name(path: str, scale: float) -> str:
 def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> list[dict]:
     """Each checkpoint against ``config.baseline`` under the protocol, on the split's seeds."""
     seed = split_seed(config.split, config.eval_episodes)
+    task = get_task(config.task)
     baseline, model_config, _ = load_policy(
-        Path(config.baseline), eval_num_steps=config.eval_num_steps
+        Path(config.baseline),
+        options=SamplerOptions(eval_num_denoising_steps=config.eval_num_denoising_steps),
+        task=task,
     )
     executed = model_config.executed_chunk_length
     env = make_eval_env(config, config.eval_episodes, executed)
@@ -203,7 +207,11 @@ def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> lis
     expert = evaluate_task_expert(config, config.eval_episodes, seed)
     comparisons = []
     for path in checkpoints:
-        policy, _, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
+        policy, _, _ = load_policy(
+            Path(path),
+            options=SamplerOptions(eval_num_denoising_steps=config.eval_num_denoising_steps),
+            task=task,
+        )
         rl = evaluate_decodings(policy, env, seed=seed, **options)
         summary = protocol_summary(bc, rl, expert, reported_decoding=config.reported_decoding)
         tqdm.write(f"{path}: {format_protocol(summary)}")
@@ -226,13 +234,18 @@ def main(config: EvaluateConfig) -> list[dict]:
         if config.video_episodes:
             videos.append(record_video(None, None, "expert", config))
     progress = tqdm(total=len(checkpoints) * (len(scales) + len(bounds)), desc="evaluations")
+    task = get_task(config.task)
     for path in checkpoints:
-        policy, model_config, _ = load_policy(Path(path), eval_num_steps=config.eval_num_steps)
+        policy, model_config, _ = load_policy(
+            Path(path),
+            options=SamplerOptions(eval_num_denoising_steps=config.eval_num_denoising_steps),
+            task=task,
+        )
         executed = model_config.executed_chunk_length
         max_decisions = decisions_per_episode(config.max_episode_steps, executed)
         env = make_eval_env(config, config.eval_episodes, executed)
         for scale in scales:
-            policy.eval_noise_scale = scale
+            policy.options = policy.options.replace(eval_noise_scale=scale)
             label = f"{path}  scale {scale:g}"
             row = {"checkpoint": path, "eval_noise_scale": scale}
             rows.append(evaluate_row(policy, env, max_decisions, label, config, **row))
@@ -240,7 +253,7 @@ def main(config: EvaluateConfig) -> list[dict]:
                 videos.append(record_video(policy, executed, video_name(path, scale), config))
             progress.update(1)
         env.close()
-        policy.eval_noise_scale = 1.0
+        policy.options = policy.options.replace(eval_noise_scale=1.0)
         for bound in bounds:
             noise_env = make_eval_env(config, config.eval_episodes, executed)
             noise_env.append_transform(NoiseActionTransform(policy, noise_bound=bound))
@@ -266,4 +279,4 @@ def main(config: EvaluateConfig) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(parse_config(EvaluateConfig, description=__doc__, task_defaults=task_defaults()))
+    main(parse_config(EvaluateConfig, description=__doc__, task_defaults=task_defaults("evaluate")))

@@ -104,6 +104,7 @@ from torchrl_flowpolicy.protocol import (  # noqa: E402
     CURVE_SEED,
     training_seed,
 )
+from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
 
 import pretrain  # noqa: E402
 from common import (
@@ -188,8 +189,10 @@ class PPOConfig(TaskOptions):
         "steps alone); the learning curve decodes with the same x_0 std",
         minimum=0,
     )
-    num_steps: int = option(8, "K: denoising steps of rollouts and of the learner", minimum=1)
-    eval_num_steps: int = option(20, "K of the deterministic evaluation ODE", minimum=1)
+    num_denoising_steps: int = option(
+        8, "K: denoising steps of rollouts and of the learner", minimum=1
+    )
+    eval_num_denoising_steps: int = option(20, "K of the deterministic evaluation ODE", minimum=1)
     sde_mode: Literal["mixed", "last", "all"] = option(
         "last", "stochastic steps: one random step (mixed), the last num_sde_steps, all"
     )
@@ -330,36 +333,6 @@ QUICK = {
 }
 
 
-# What --task lift / can change (robosuite Lift and PickPlaceCan, see
-# torchrl_flowpolicy.envs.robosuite_tasks); the pretraining's own task defaults come along.
-RUN_DEFAULTS: dict[str, dict[str, Any]] = {
-    "lift": {
-        **{f"pretrain.{name}": value for name, value in pretrain.DEMO_DEFAULTS["lift"].items()},
-        # The recipe of docs/robosuite.md (from 25 demonstrations to 93.5-98 % noise-free
-        # on the held-out states in 600k env steps): 48 envs x 15 decisions = 720 decisions
-        # a batch, two minibatches; strong self-imitation and a larger actor step than
-        # Pusher's; the sparse success reward (1 at success) is used as is.
-        "num_envs": 48,
-        "minibatch_size": 360,
-        "bc_coeff": 1.0,
-        "actor_learning_rate": 1e-4,
-        "reward_scale": 1.0,
-        "total_env_steps": 600_000,
-        "eval_every": 10,
-        "checkpoint_every": 10,
-    },
-    # --task can (robosuite PickPlaceCan): 16 envs x 63 decisions = 1,008 decisions a batch.
-    "can": {
-        **{f"pretrain.{name}": value for name, value in pretrain.DEMO_DEFAULTS["can"].items()},
-        "minibatch_size": 504,
-        "reward_scale": 1.0,
-        "total_env_steps": 500_000,
-        "eval_every": 5,
-        "checkpoint_every": 5,
-    },
-}
-
-
 def parse_args(argv: list[str] | None = None) -> PPOConfig:
     """The command line (``--help``) as a :class:`PPOConfig`."""
     exclude = [f"pretrain.{name}" for name in pretrain.RUN_SETTINGS] + [
@@ -370,22 +343,22 @@ def parse_args(argv: list[str] | None = None) -> PPOConfig:
         argv,
         description=__doc__,
         quick=QUICK,
-        task_defaults=task_defaults(RUN_DEFAULTS),
+        task_defaults=task_defaults("ppo"),  # the task's defaults: envs.tasks.TASKS
         exclude=exclude,
     )
 
 
-def sampler_options(config: PPOConfig) -> dict[str, Any]:
+def sampler_options(config: PPOConfig) -> SamplerOptions:
     """The flow policy's sampler settings (rollouts, learner, evaluation)."""
-    return {
-        "num_steps": config.num_steps,
-        "eval_num_steps": config.eval_num_steps,
-        "noise_level": config.noise_level,
-        "rollout_noise_scale": config.rollout_noise_scale,
-        "eval_noise_scale": config.rollout_noise_scale,
-        "sde_mode": config.sde_mode,
-        "num_sde_steps": config.num_sde_steps,
-    }
+    return SamplerOptions(
+        num_denoising_steps=config.num_denoising_steps,
+        eval_num_denoising_steps=config.eval_num_denoising_steps,
+        noise_level=config.noise_level,
+        rollout_noise_scale=config.rollout_noise_scale,
+        eval_noise_scale=config.rollout_noise_scale,
+        sde_mode=config.sde_mode,
+        num_sde_steps=config.num_sde_steps,
+    )
 
 
 def make_critic(policy: FlowSDEPolicy) -> TensorDictModule:
@@ -548,7 +521,7 @@ def make_collector(
 ) -> Collector | MultiSyncCollector | RayCollector:
     """An endless collector of ``decisions_per_batch`` decisions per batch on ``num_envs`` envs.
 
-    RANDOM exploration: the Flow-SDE sampler with K = ``num_steps``. With one worker, a
+    RANDOM exploration: the Flow-SDE sampler with K = ``num_denoising_steps``. With one worker, a
     ``Collector`` in this process; with ``collector_workers = W``, a ``MultiSyncCollector``
     (or a ``RayCollector`` with ``collector_backend="ray"``, see :func:`make_ray_collector`)
     whose worker ``w`` steps ``num_envs / W`` environments: batches concatenated along the
@@ -847,7 +820,7 @@ def save_ppo_run(
         env_steps=env_steps,
         history=json.dumps(history),
         model_config=dataclasses.asdict(model_config),
-        task=task,
+        **get_task(task).checkpoint_identity(),  # the task and its observation layout
         advantage=advantage,
         noise=noise,
         wall_seconds=wall_seconds,
@@ -968,7 +941,9 @@ def main(config: PPOConfig) -> dict:
     if main_process and not pretrained.is_file():
         pretrain.main(pretrain.config_for_run(config))
     barrier()
-    policy, model_config, pretrained_state = load_policy(pretrained, **sampler_options(config))
+    policy, model_config, pretrained_state = load_policy(
+        pretrained, sampler_options(config), task=get_task(config.task)
+    )
     policy.to(device)
     # --resume: the run checkpoint, refused now if corrupt or of another task or architecture.
     run_checkpoint = output_dir / "checkpoint.pt"

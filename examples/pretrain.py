@@ -27,6 +27,7 @@ from torchrl_flowpolicy.envs import get_task, load_or_collect_demos
 from torchrl_flowpolicy.evaluation import evaluate_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.objectives import FlowMatchingLoss
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 from common import (
     TASK_MODEL_FIELDS,
@@ -88,14 +89,6 @@ RUN_SETTINGS = (
     "terminate_on_success",
 )
 
-# The demonstrations --task lift / can clone (with the task's own settings, common.task_defaults).
-# Lift: 25 demonstrations at action noise 0.3 clone to 60.5-72 % noise-free on the held-out
-# states, the start PPO's Lift defaults fine-tune (15: about 40 %, 40: 70 % sampled on the
-# learning-curve episodes; docs/robosuite.md).
-DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
-    "lift": {"demo_episodes": 25, "demo_action_noise": 0.3},
-    "can": {"demo_episodes": 15, "demo_action_noise": 0.3},
-}
 # The model fields that come from the task are not command-line options.
 EXCLUDE = tuple(f"model.{name}" for name in TASK_MODEL_FIELDS)
 
@@ -118,17 +111,6 @@ def config_for_run(run: Any) -> PretrainConfig:
         reward=run.reward,
         terminate_on_success=run.terminate_on_success,
     )
-
-
-def demo_options(config: PretrainConfig) -> dict[str, Any]:
-    """The task settings of the demonstration set (:func:`load_or_collect_demos`)."""
-    options = task_options(config)
-    if config.task != "pusher":  # Pusher's demonstrations store gymnasium's reward
-        return {"task": config.task, **options}
-    return {
-        "max_episode_steps": options["max_episode_steps"],
-        "success_threshold": options["success_threshold"],
-    }
 
 
 def train(policy: FlowSDEPolicy, dataset: TensorDictBase, config: PretrainConfig) -> list[float]:
@@ -160,9 +142,9 @@ def evaluate_parity(policy: FlowSDEPolicy, config: PretrainConfig) -> dict[int, 
     env = make_eval_env(config, config.eval_episodes, executed)
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
     results = {}
-    for num_steps in (20, 8):
-        policy.eval_num_steps = num_steps
-        results[num_steps] = evaluate_policy(
+    for steps in (20, 8):
+        policy.options = policy.options.replace(eval_num_denoising_steps=steps)
+        results[steps] = evaluate_policy(
             policy,
             env,
             max_decisions=max_decisions,
@@ -170,11 +152,11 @@ def evaluate_parity(policy: FlowSDEPolicy, config: PretrainConfig) -> dict[int, 
             num_episodes=config.eval_episodes,
         )
         print(
-            f"BC success at K={num_steps}: {results[num_steps]['success_rate']:.1%} "
-            f"(return {results[num_steps]['mean_return']:.1f}, {config.eval_episodes} episodes)"
+            f"BC success at K={steps}: {results[steps]['success_rate']:.1%} "
+            f"(return {results[steps]['mean_return']:.1f}, {config.eval_episodes} episodes)"
         )
     env.close()
-    policy.eval_num_steps = 20
+    policy.options = policy.options.replace(eval_num_denoising_steps=20)
     gap = abs(results[20]["success_rate"] - results[8]["success_rate"])
     if gap > 0.01:
         print(
@@ -202,7 +184,8 @@ def main(config: PretrainConfig) -> dict:
             seed=config.demo_seed,
             directory=config.demo_dir,
             progress=demo_progress.update,
-            **demo_options(config),
+            task=config.task,
+            **task_options(config),
         )
     print(f"demonstrations {'loaded from' if cached else 'written to'} {demo_file}")
     dataset = make_chunk_dataset(
@@ -220,7 +203,7 @@ def main(config: PretrainConfig) -> dict:
     )
     normalizer = ObservationNormalizer.from_data(dataset["observation"])
     # The parity check below evaluates the model's distribution (x_0 ~ N(0, I)).
-    policy = build_policy(config.model, normalizer, eval_noise_scale=1.0)
+    policy = build_policy(config.model, normalizer, options=SamplerOptions(eval_noise_scale=1.0))
     losses = train(policy, dataset, config)
     train_seconds = time.perf_counter() - start
 
@@ -238,7 +221,7 @@ def main(config: PretrainConfig) -> dict:
         "total_seconds": time.perf_counter() - start,
     }
     checkpoint = output_dir / config.checkpoint_name
-    save_policy(checkpoint, policy, config.model, summary=json.dumps(summary))
+    save_policy(checkpoint, policy, config.model, task=task, summary=json.dumps(summary))
     write_json(output_dir / "summary.json", summary)
     print(f"saved {checkpoint} ({summary['total_seconds']:.0f} s)")
     return summary
@@ -249,7 +232,7 @@ if __name__ == "__main__":
         parse_config(
             PretrainConfig,
             description=__doc__,
-            task_defaults=task_defaults(DEMO_DEFAULTS),
+            task_defaults=task_defaults("pretrain"),
             exclude=EXCLUDE,
         )
     )

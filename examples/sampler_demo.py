@@ -8,7 +8,7 @@ denoising chain and the per-step log-probabilities a PPO learner needs. For ever
 script prints the chunk log-prob statistics, the largest difference between the stored
 log-probs and those the learner recomputes from the stored chains, the return of finished
 episodes and the throughput; at the end, how often each denoising step was stochastic, and a
-deterministic evaluation episode with the ODE sampler at ``eval_num_steps``.
+deterministic evaluation episode with the ODE sampler at ``eval_num_denoising_steps``.
 
 Run (every option: ``--help``; every printed number: docs/examples/sampler_demo.md)::
 
@@ -45,6 +45,7 @@ from torchrl_flowpolicy.checkpoint import atomic_write
 from torchrl_flowpolicy.envs import make_chunked_env
 from torchrl_flowpolicy.flow import sigma_grid, step_coefficients
 from torchrl_flowpolicy.networks import ActionExpertTransformer, ObservationEncoder
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 from common import option, parse_config
 
@@ -59,8 +60,8 @@ class SamplerDemoConfig:
     chunk_length: int = option(8, "H: rows of the chunk the action expert predicts")
     executed_chunk_length: int = option(4, "H': rows the environment executes per decision")
     # sampler
-    num_steps: int = option(8, "K: denoising steps of a rollout decision")
-    eval_num_steps: int = option(20, "K of the deterministic ODE used for evaluation")
+    num_denoising_steps: int = option(8, "K: denoising steps of a rollout decision")
+    eval_num_denoising_steps: int = option(20, "K of the deterministic ODE used for evaluation")
     noise_level: float = option(0.5, "a: Flow-SDE noise scale, the exploration knob")
     sde_mode: Literal["mixed", "last", "all"] = option("mixed", "which steps are stochastic")
     num_sde_steps: int = option(4, "number of stochastic steps for sde_mode=last")
@@ -111,15 +112,17 @@ def make_policy(config: SamplerDemoConfig, observation_dim: int, action_dim: int
         expert,
         action_shape=action_shape,
         encoder=encoder,
-        num_steps=config.num_steps,
-        eval_num_steps=config.eval_num_steps,
-        eval_noise_scale=1.0,  # the deterministic ODE from x_0 ~ N(0, I): the model's samples
-        noise_level=config.noise_level,
-        sde_mode=config.sde_mode,
-        num_sde_steps=config.num_sde_steps,
-        shift=config.shift,
-        noise_schedule=config.noise_schedule,
         executed_chunk_length=config.executed_chunk_length,
+        options=SamplerOptions(
+            num_denoising_steps=config.num_denoising_steps,
+            eval_num_denoising_steps=config.eval_num_denoising_steps,
+            eval_noise_scale=1.0,  # the deterministic ODE from x_0 ~ N(0, I): the model's samples
+            noise_level=config.noise_level,
+            sde_mode=config.sde_mode,
+            num_sde_steps=config.num_sde_steps,
+            shift=config.shift,
+            noise_schedule=config.noise_schedule,
+        ),
     ).to(config.device)
 
 
@@ -127,7 +130,7 @@ def make_policy(config: SamplerDemoConfig, observation_dim: int, action_dim: int
 class CollectionStats:
     """What the collection loop accumulates over the batches."""
 
-    num_steps: int
+    num_denoising_steps: int
     decisions: int = 0
     env_steps: int = 0
     collect_s: float = 0.0
@@ -138,8 +141,8 @@ class CollectionStats:
     batches: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.step_counts = torch.zeros(self.num_steps, dtype=torch.long)
-        self.step_log_prob_sums = torch.zeros(self.num_steps, dtype=torch.float64)
+        self.step_counts = torch.zeros(self.num_denoising_steps, dtype=torch.long)
+        self.step_log_prob_sums = torch.zeros(self.num_denoising_steps, dtype=torch.float64)
 
 
 def record_batch(
@@ -156,10 +159,10 @@ def record_batch(
     # The chunk log-prob: a sum over the stochastic steps and the H' x D executed entries.
     log_prob = batch["action_log_prob"].flatten().double().cpu()
     stats.log_probs.append(log_prob)
-    sde_mask = batch["flow", "sde_mask"].reshape(-1, stats.num_steps).cpu()
+    sde_mask = batch["flow", "sde_mask"].reshape(-1, stats.num_denoising_steps).cpu()
     stats.step_counts += sde_mask.sum(0)
     step_log_prob = batch["flow", "step_log_prob"]
-    stats.step_log_prob_sums += step_log_prob.reshape(-1, stats.num_steps).sum(0).cpu()
+    stats.step_log_prob_sums += step_log_prob.reshape(-1, stats.num_denoising_steps).sum(0).cpu()
 
     # What a learner would do with this batch: recompute every stored step's log-prob
     # from the stored chain, in one batched network call, and compare.
@@ -216,13 +219,13 @@ def report(stats: CollectionStats, config: SamplerDemoConfig) -> list[dict]:
         f"chunk log-prob over all decisions: mean {log_probs.mean():.2f}, std "
         f"{log_probs.std():.2f}, min {log_probs.min():.2f}, max {log_probs.max():.2f}"
     )
-    sigmas = sigma_grid(config.num_steps, config.shift, dtype=torch.float64)
+    sigmas = sigma_grid(config.num_denoising_steps, config.shift, dtype=torch.float64)
     step_std = step_coefficients(sigmas, config.noise_level, config.noise_schedule)[2]
-    print(f"\nstochastic steps (sde_mode={config.sde_mode}, K={config.num_steps}):")
+    print(f"\nstochastic steps (sde_mode={config.sde_mode}, K={config.num_denoising_steps}):")
     print("   k  sigma_k   std_k    count   share  mean step log-prob")
     largest = max(int(stats.step_counts.max()), 1)
     histogram = []
-    for k in range(config.num_steps):
+    for k in range(config.num_denoising_steps):
         count = int(stats.step_counts[k])
         share = count / max(stats.decisions, 1)
         mean_lp = f"{stats.step_log_prob_sums[k].item() / count:9.2f}" if count else f"{'-':>9}"
@@ -240,7 +243,7 @@ def report(stats: CollectionStats, config: SamplerDemoConfig) -> list[dict]:
 
 
 def evaluate(policy: FlowSDEPolicy, config: SamplerDemoConfig) -> dict:
-    """One deterministic episode (the ODE at ``eval_num_steps``), capped in decisions."""
+    """One deterministic episode (the ODE at ``eval_num_denoising_steps``), capped in decisions."""
     eval_env = make_env(config)
     eval_env.set_seed(config.seed + 1)
     start = time.perf_counter()
@@ -248,7 +251,7 @@ def evaluate(policy: FlowSDEPolicy, config: SamplerDemoConfig) -> dict:
         rollout = eval_env.rollout(config.eval_max_decisions, policy)
     eval_s = time.perf_counter() - start
     evaluation = {
-        "num_steps": config.eval_num_steps,
+        "num_denoising_steps": config.eval_num_denoising_steps,
         "decisions": rollout.numel(),
         "env_steps": int(rollout["next", "step_count"][-1]),
         "return": rollout["next", "reward"].sum().item(),
@@ -257,7 +260,7 @@ def evaluate(policy: FlowSDEPolicy, config: SamplerDemoConfig) -> dict:
         "decisions_per_s": rollout.numel() / eval_s,
     }
     print(
-        f"\nevaluation (deterministic ODE, K={config.eval_num_steps}): return "
+        f"\nevaluation (deterministic ODE, K={config.eval_num_denoising_steps}): return "
         f"{evaluation['return']:.2f} over {evaluation['env_steps']} env steps "
         f"({evaluation['decisions']} decisions, episode done: {evaluation['done']}), "
         f"{eval_s:.2f} s, {evaluation['decisions_per_s']:.1f} decisions/s"
@@ -293,7 +296,7 @@ def main(config: SamplerDemoConfig) -> dict:
         storing_device=config.device,
         auto_register_policy_transforms=False,  # the policy keeps no recurrent state
     )
-    stats = CollectionStats(config.num_steps)
+    stats = CollectionStats(config.num_denoising_steps)
     progress = tqdm(total=config.total_decisions, unit="decision", dynamic_ncols=True)
     tick = time.perf_counter()
     for index, batch in enumerate(collector):

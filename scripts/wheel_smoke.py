@@ -17,6 +17,8 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
+from torchrl_flowpolicy.sampler import SamplerOptions
+
 SIMULATORS = ("gymnasium", "mujoco", "robosuite")
 CORE_MODULES = (
     "torchrl_flowpolicy",
@@ -61,8 +63,7 @@ def main() -> None:
     policy = FlowSDEPolicy(
         MLPVelocityNetwork(observation_dim, action_shape, hidden_dim=32, num_layers=2),
         action_shape=action_shape,
-        num_steps=4,
-        num_sde_steps=2,
+        options=SamplerOptions(num_denoising_steps=4, num_sde_steps=2),
     )
     data = TensorDict({"observation": torch.randn(batch, observation_dim)}, batch_size=[batch])
     with set_exploration_type(ExplorationType.RANDOM), torch.no_grad():

@@ -56,7 +56,7 @@ class CallCounter(nn.Module):
 
 
 def assert_gaussian_moments(
-    samples: Tensor, mean: Tensor, std: Tensor, num_steps: int, *, z: float = 4.0
+    samples: Tensor, mean: Tensor, std: Tensor, num_denoising_steps: int, *, z: float = 4.0
 ) -> None:
     """Check per-coordinate sample mean and variance against ``N(mean, std^2)``.
 
@@ -72,13 +72,13 @@ def assert_gaussian_moments(
         samples: ``[n, *event]``.
         mean: ``[*event]`` target mean.
         std: ``[*event]`` target standard deviation.
-        num_steps: ``K``, the number of Euler steps used.
+        num_denoising_steps: ``K``, the number of Euler steps used.
         z: the number of standard errors allowed.
     """
     samples = samples.double()
     mean, std = mean.double(), std.double()
     n = samples.shape[0]
-    discretisation = 5.0 / num_steps
+    discretisation = 5.0 / num_denoising_steps
     mean_tolerance = z * std / math.sqrt(n)
     variance_tolerance = std**2 * (z * math.sqrt(2.0 / (n - 1)) + discretisation)
     mean_error = (samples.mean(0) - mean).abs()

@@ -28,6 +28,7 @@ from torchrl.envs import (
 from torchrl.envs.utils import check_env_specs, step_mdp
 
 from torchrl_flowpolicy.envs import ChunkedAction, decision_discount, make_chunked_env
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 ACTION_DIM = 7
 OBSERVATION_DIM = 23
@@ -364,7 +365,10 @@ def half_cheetah_policy(chunk_shape: tuple[int, ...], executed_chunk_length: int
     network = MLPVelocityNetwork(17, chunk_shape, hidden_dim=16, num_layers=1)
     action_shape = chunk_shape[-1:] if executed_chunk_length is None else chunk_shape
     return FlowSDEPolicy(
-        network, action_shape=action_shape, num_steps=4, executed_chunk_length=executed_chunk_length
+        network,
+        action_shape=action_shape,
+        executed_chunk_length=executed_chunk_length,
+        options=SamplerOptions(num_denoising_steps=4),
     )
 
 

@@ -438,7 +438,7 @@ def test_lift_defaults_are_the_fine_tuning_recipe(examples_on_path):
     standalone = parse_config(
         pretrain.PretrainConfig,
         ["--task", "lift"],
-        task_defaults=task_defaults(pretrain.DEMO_DEFAULTS),
+        task_defaults=task_defaults("pretrain"),
         exclude=pretrain.EXCLUDE,
     )
     assert standalone.demo_episodes == 25

@@ -35,6 +35,7 @@ from torchrl_flowpolicy.distributed import (
 )
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 OBSERVATION_DIM = 5
@@ -52,7 +53,9 @@ def make_learner(critic_seed: int) -> tuple[FlowSDEPolicy, TensorDictModule, Den
     torch.manual_seed(0)
     network = MLPVelocityNetwork(OBSERVATION_DIM, ACTION_SHAPE, hidden_dim=32, num_layers=2)
     policy = FlowSDEPolicy(
-        network.double(), action_shape=ACTION_SHAPE, num_steps=4, sde_mode="last", num_sde_steps=2
+        network.double(),
+        action_shape=ACTION_SHAPE,
+        options=SamplerOptions(num_denoising_steps=4, sde_mode="last", num_sde_steps=2),
     )
     torch.manual_seed(critic_seed)
     critic = TensorDictModule(

@@ -60,6 +60,7 @@ from torchrl_flowpolicy.envs.chunking import (  # noqa: E402
 )
 from torchrl_flowpolicy.networks import MLPVelocityNetwork  # noqa: E402
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
+from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +111,9 @@ def make_models(executed_chunk_length: int | None):
     else:
         chunk_shape = action_shape = (executed_chunk_length, ACTION_DIM)
     network = MLPVelocityNetwork(OBSERVATION_DIM, chunk_shape, hidden_dim=64, num_layers=2)
-    actor = FlowSDEPolicy(network, action_shape=action_shape, num_steps=NUM_STEPS)
+    actor = FlowSDEPolicy(
+        network, action_shape=action_shape, options=SamplerOptions(num_denoising_steps=NUM_STEPS)
+    )
     value_mlp = MLP(
         in_features=OBSERVATION_DIM,
         activation_class=torch.nn.Tanh,

@@ -40,6 +40,7 @@ from torchrl_flowpolicy.envs import make_chunked_env
 from torchrl_flowpolicy.envs.batched import BatchedGymEnv
 from torchrl_flowpolicy.envs.pusher import PusherTask
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 OBSERVATION_DIM = 23
@@ -60,8 +61,7 @@ def make_policy(seed: int = 0, executed: int = EXECUTED) -> FlowSDEPolicy:
         network,
         action_shape=(CHUNK_LENGTH, ACTION_DIM),
         executed_chunk_length=executed,
-        num_steps=4,
-        eval_num_steps=5,
+        options=SamplerOptions(num_denoising_steps=4, eval_num_denoising_steps=5),
     )
 
 
@@ -185,7 +185,9 @@ def test_a_single_step_policy_decodes_noise_for_an_unwrapped_env():
     # action_shape=(D,): the noise and the executed action are [*B, D]; no chunked env needed.
     torch.manual_seed(0)
     network = MLPVelocityNetwork(OBSERVATION_DIM, (1, ACTION_DIM), hidden_dim=32, num_layers=2)
-    policy = FlowSDEPolicy(network, action_shape=(ACTION_DIM,), eval_num_steps=5)
+    policy = FlowSDEPolicy(
+        network, action_shape=(ACTION_DIM,), options=SamplerOptions(eval_num_denoising_steps=5)
+    )
     env = TransformedEnv(
         GymEnv("Pusher-v5", max_episode_steps=EPISODE_LENGTH), NoiseActionTransform(policy)
     )
@@ -207,7 +209,7 @@ def test_the_decoded_chunk_is_the_policys_ode_integrated_by_hand():
     td = env.reset()
     noise = env.action_spec.rand()
     td = env.step(td.set("action", noise))
-    sigmas = torch.linspace(1.0, 0.0, policy.eval_num_steps + 1)
+    sigmas = torch.linspace(1.0, 0.0, policy.options.eval_num_denoising_steps + 1)
     x = noise.clone()
     with torch.no_grad():
         for sigma, next_sigma in zip(sigmas[:-1], sigmas[1:], strict=True):

@@ -29,7 +29,7 @@ TINY = [
     "--model_dim", "16",
     "--num_heads", "2",
     "--num_layers", "1",
-    "--eval_num_steps", "4",
+    "--eval_num_denoising_steps", "4",
     "--eval_max_decisions", "3",
 ]  # fmt: skip
 
@@ -59,7 +59,7 @@ def test_sampler_demo_mixed(tmp_path):
         assert value == value and abs(value) < 1e4  # finite
     evaluation = summary["evaluation"]
     assert evaluation["decisions"] == 3 and evaluation["env_steps"] == 12
-    assert evaluation["num_steps"] == 4
+    assert evaluation["num_denoising_steps"] == 4
     assert "evaluation (deterministic ODE, K=4)" in stdout
     assert "stochastic steps (sde_mode=mixed, K=8)" in stdout
 
@@ -97,7 +97,7 @@ def test_evaluate_checkpoints_at_several_noise_scales(tmp_path):
         "--split", "curve",
         "--expert",
         "--max_episode_steps", "12",
-        "--eval_num_steps", "2",
+        "--eval_num_denoising_steps", "2",
         "--output_json", str(output),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -171,10 +171,10 @@ def test_compare_runs_table_and_plot(tmp_path):
 def test_compare_runs_titles_the_figure_with_the_runs_task(examples_on_path):
     from compare_runs import default_title
 
-    lift = {"config": {"task": "lift", "eval_num_steps": 20}}
+    lift = {"config": {"task": "lift", "eval_num_denoising_steps": 20}}
     assert default_title([lift, lift]) == "robosuite Lift (Panda): evaluation success (ODE, K = 20)"
     assert default_title([{}]) == "Pusher-v5: evaluation success (ODE, K = 20)"  # older summaries
-    mixed = [lift, {"config": {"task": "pusher", "eval_num_steps": 10}}]
+    mixed = [lift, {"config": {"task": "pusher", "eval_num_denoising_steps": 10}}]
     assert default_title(mixed) == (
         "robosuite Lift (Panda) / Pusher-v5: evaluation success (ODE, K = 10 / 20)"
     )
@@ -314,11 +314,19 @@ def test_ppo_options_use_the_library_names(examples_on_path, capsys):
     with pytest.raises(SystemExit):
         ppo.parse_args(["--help"])
     entries = help_entries(capsys.readouterr().out)
-    for flag in ("--num_steps", "--eval_num_steps", "--total_env_steps", "--quick"):
+    for flag in (
+        "--num_denoising_steps",
+        "--eval_num_denoising_steps",
+        "--total_env_steps",
+        "--quick",
+    ):
         assert flag in entries
     assert "--pretrain.demo_action_noise" in entries
     assert "--pretrain.model.executed_chunk_length" in entries
-    assert not any("denoising" in flag or "noise_level" in flag[10:] for flag in entries)
+    # The sampler's settings once, under the library's names: no other spelling, no copy in a group.
+    denoising = {flag for flag in entries if "denoising" in flag}
+    assert denoising == {"--num_denoising_steps", "--eval_num_denoising_steps"}
+    assert not any("noise_level" in flag[10:] for flag in entries)
     # Set from the run's own options when the pretraining runs: not offered twice.
     assert "--pretrain.seed" not in entries and "--pretrain.reward" not in entries
 

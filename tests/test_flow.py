@@ -14,11 +14,11 @@ MODES = ("mixed", "last", "all")
 
 
 # --------------------------------------------------------------------------- sigma grid
-@pytest.mark.parametrize("num_steps", [1, 2, 8, 20])
+@pytest.mark.parametrize("num_denoising_steps", [1, 2, 8, 20])
 @pytest.mark.parametrize("shift", [1.0, 0.5, 3.0])
-def test_sigma_grid_endpoints_and_monotone(num_steps, shift):
-    sigmas = flow.sigma_grid(num_steps, shift)
-    assert sigmas.shape == (num_steps + 1,)
+def test_sigma_grid_endpoints_and_monotone(num_denoising_steps, shift):
+    sigmas = flow.sigma_grid(num_denoising_steps, shift)
+    assert sigmas.shape == (num_denoising_steps + 1,)
     assert sigmas.dtype == torch.float32
     assert sigmas[0].item() == 1.0
     assert sigmas[-1].item() == 0.0
@@ -47,7 +47,7 @@ def test_sigma_grid_rejects_non_positive_shift(shift):
 
 
 def test_sigma_grid_rejects_zero_steps():
-    with pytest.raises(ValueError, match="num_steps"):
+    with pytest.raises(ValueError, match="num_denoising_steps"):
         flow.sigma_grid(0)
 
 
@@ -140,12 +140,12 @@ def test_sde_step_rejects_negative_noise_level():
         )
 
 
-@pytest.mark.parametrize("num_steps", [2, 8, 20])
+@pytest.mark.parametrize("num_denoising_steps", [2, 8, 20])
 @pytest.mark.parametrize("shift", [1.0, 3.0])
-def test_zero_noise_sde_step_is_exactly_the_euler_step(num_steps, shift):
-    sigmas = flow.sigma_grid(num_steps, shift)
+def test_zero_noise_sde_step_is_exactly_the_euler_step(num_denoising_steps, shift):
+    sigmas = flow.sigma_grid(num_denoising_steps, shift)
     generator = torch.Generator().manual_seed(1)
-    for k in range(num_steps):
+    for k in range(num_denoising_steps):
         x = torch.randn(4, 3, 2, generator=generator)
         velocity = torch.randn(4, 3, 2, generator=generator)
         mean, std = flow.sde_step(x, velocity, sigmas[k], sigmas[k + 1], 0.0)
@@ -243,23 +243,25 @@ def test_gaussian_log_prob_dtype():
 
 # --------------------------------------------------------------------------- SDE mask
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("num_steps", [2, 5, 8])
-def test_step_zero_is_never_stochastic(mode, num_steps):
+@pytest.mark.parametrize("num_denoising_steps", [2, 5, 8])
+def test_step_zero_is_never_stochastic(mode, num_denoising_steps):
     generator = torch.Generator().manual_seed(5)
-    mask = flow.sample_sde_mask((4000,), num_steps, mode, num_sde_steps=1, generator=generator)
-    assert mask.shape == (4000, num_steps) and mask.dtype == torch.bool
+    mask = flow.sample_sde_mask(
+        (4000,), num_denoising_steps, mode, num_sde_steps=1, generator=generator
+    )
+    assert mask.shape == (4000, num_denoising_steps) and mask.dtype == torch.bool
     assert not mask[:, 0].any()
 
 
 def test_mixed_mask_draws_one_step_uniformly_from_one_to_k_minus_one():
-    num_steps, draws = 8, 14000
+    num_denoising_steps, draws = 8, 14000
     generator = torch.Generator().manual_seed(6)
-    mask = flow.sample_sde_mask((draws,), num_steps, "mixed", generator=generator)
+    mask = flow.sample_sde_mask((draws,), num_denoising_steps, "mixed", generator=generator)
     assert torch.equal(mask.sum(-1), torch.ones(draws, dtype=torch.long))
     counts = mask.sum(0).double()
     assert counts[0] == 0
-    expected = draws / (num_steps - 1)
-    standard_error = math.sqrt(expected * (1 - 1 / (num_steps - 1)))
+    expected = draws / (num_denoising_steps - 1)
+    standard_error = math.sqrt(expected * (1 - 1 / (num_denoising_steps - 1)))
     assert ((counts[1:] - expected).abs() < 4 * standard_error).all(), counts
 
 
@@ -280,9 +282,9 @@ def test_mixed_mask_is_seeded():
 
 
 def test_mask_errors():
-    with pytest.raises(ValueError, match="num_steps"):
+    with pytest.raises(ValueError, match="num_denoising_steps"):
         flow.sample_sde_mask((1,), 1, "mixed")
-    with pytest.raises(ValueError, match="num_steps"):
+    with pytest.raises(ValueError, match="num_denoising_steps"):
         flow.sample_sde_mask((1,), 1, "all")
     with pytest.raises(ValueError, match="num_sde_steps"):
         flow.sample_sde_mask((1,), 8, "last", num_sde_steps=8)
@@ -329,20 +331,22 @@ def _linear_velocity(velocity_field, sigma):
     return one - zero, zero
 
 
-def _exact_chain_moments(velocity_field, num_steps, noise_level, mask, drop_correction=False):
+def _exact_chain_moments(
+    velocity_field, num_denoising_steps, noise_level, mask, drop_correction=False
+):
     """Mean and variance of x_K, propagated exactly through the affine-Gaussian recursion.
 
     ``mask [M, K]`` holds ``M`` stochastic-step patterns, each used with equal probability;
     the moments of the resulting mixture are returned.
     """
-    sigmas = flow.sigma_grid(num_steps, dtype=torch.float64)
+    sigmas = flow.sigma_grid(num_denoising_steps, dtype=torch.float64)
     x_coefficient, velocity_coefficient, std = flow.step_coefficients(sigmas, noise_level)
     step_size = sigmas[1:] - sigmas[:-1]
     if drop_correction:
         x_coefficient, velocity_coefficient = torch.ones_like(step_size), step_size
     mean = torch.zeros(mask.shape[0], 2, 2, dtype=torch.float64)
     variance = torch.ones(mask.shape[0], 2, 2, dtype=torch.float64)
-    for k in range(num_steps):
+    for k in range(num_denoising_steps):
         slope, intercept = _linear_velocity(velocity_field, sigmas[k])
         stochastic = mask[:, k, None, None]
         alpha = torch.where(
@@ -355,42 +359,51 @@ def _exact_chain_moments(velocity_field, num_steps, noise_level, mask, drop_corr
     return mixture_mean, variance.mean(0) + (mean - mixture_mean).pow(2).mean(0)
 
 
-def _masks(mode, num_steps):
-    steps = torch.arange(num_steps)
+def _masks(mode, num_denoising_steps):
+    steps = torch.arange(num_denoising_steps)
     if mode == "ode":
-        return torch.zeros(1, num_steps, dtype=torch.bool)
+        return torch.zeros(1, num_denoising_steps, dtype=torch.bool)
     if mode == "all":
         return (steps >= 1)[None]
-    return steps[None] == torch.arange(1, num_steps)[:, None]  # mixed: every k* in 1..K-1
+    return steps[None] == torch.arange(1, num_denoising_steps)[:, None]  # mixed: every k* in 1..K-1
 
 
-@pytest.mark.parametrize("num_steps", [100, 200])
+@pytest.mark.parametrize("num_denoising_steps", [100, 200])
 @pytest.mark.parametrize("mode", ["ode", "all", "mixed"])
 @pytest.mark.parametrize("noise_level", [0.2, 0.5, 0.8])
-def test_exact_discretisation_error_is_first_order(gaussian_velocity, num_steps, mode, noise_level):
+def test_exact_discretisation_error_is_first_order(
+    gaussian_velocity, num_denoising_steps, mode, noise_level
+):
     """Pins the ``5 / K`` allowance of the sampled moment checks to the exact Euler error."""
     velocity = gaussian_velocity.double()
     mean, variance = _exact_chain_moments(
-        velocity, num_steps, 0.0 if mode == "ode" else noise_level, _masks(mode, num_steps)
+        velocity,
+        num_denoising_steps,
+        0.0 if mode == "ode" else noise_level,
+        _masks(mode, num_denoising_steps),
     )
     torch.testing.assert_close(mean, velocity.mean, atol=1e-9, rtol=0)
     relative_error = (variance / velocity.std**2 - 1).abs()
-    assert (relative_error < 5.0 / num_steps).all(), relative_error
+    assert (relative_error < 5.0 / num_denoising_steps).all(), relative_error
 
 
 @pytest.mark.parametrize("noise_level", [0.2, 0.5, 0.8])
 def test_exact_moments_expose_a_drift_without_score_correction(gaussian_velocity, noise_level):
     """In "all" mode, dropping the score term inflates the variance by far more than 5 / K."""
-    velocity, num_steps = gaussian_velocity.double(), 200
+    velocity, num_denoising_steps = gaussian_velocity.double(), 200
     _, variance = _exact_chain_moments(
-        velocity, num_steps, noise_level, _masks("all", num_steps), drop_correction=True
+        velocity,
+        num_denoising_steps,
+        noise_level,
+        _masks("all", num_denoising_steps),
+        drop_correction=True,
     )
     assert ((variance / velocity.std**2 - 1) > 0.2).all(), variance / velocity.std**2
 
 
 def _sample_sde(
     velocity,
-    num_steps,
+    num_denoising_steps,
     noise_level,
     num_samples,
     *,
@@ -401,10 +414,10 @@ def _sample_sde(
 ):
     """Sample x_K with flow.sde_step / flow.ode_step in a plain loop."""
     generator = torch.Generator().manual_seed(seed)
-    sigmas = flow.sigma_grid(num_steps)
+    sigmas = flow.sigma_grid(num_denoising_steps)
     x = torch.randn(num_samples, 2, 2, generator=generator)
-    mask = flow.sample_sde_mask((num_samples,), num_steps, mode, generator=generator)
-    for k in range(num_steps):
+    mask = flow.sample_sde_mask((num_samples,), num_denoising_steps, mode, generator=generator)
+    for k in range(num_denoising_steps):
         v = velocity(x, sigmas[k].expand(num_samples))
         ode = flow.ode_step(x, v, sigmas[k], sigmas[k + 1])
         if not mask[:, k].any():
@@ -423,9 +436,13 @@ def _sample_sde(
 def test_sde_loop_preserves_gaussian_marginals(
     gaussian_velocity, check_gaussian_moments, noise_level, schedule
 ):
-    num_steps = 200
-    samples = _sample_sde(gaussian_velocity, num_steps, noise_level, 20000, schedule=schedule)
-    check_gaussian_moments(samples, gaussian_velocity.mean, gaussian_velocity.std, num_steps)
+    num_denoising_steps = 200
+    samples = _sample_sde(
+        gaussian_velocity, num_denoising_steps, noise_level, 20000, schedule=schedule
+    )
+    check_gaussian_moments(
+        samples, gaussian_velocity.mean, gaussian_velocity.std, num_denoising_steps
+    )
 
 
 def test_ode_loop_preserves_gaussian_marginals(gaussian_velocity, check_gaussian_moments):
@@ -447,7 +464,7 @@ def test_integrate_ode_with_constant_velocity_is_the_closed_form():
     schedule = flow.sampling_schedule(5, noise_level=0.5, shift=3.0)
     x0 = torch.randn(4, 3, 2, dtype=torch.float64)
     velocity = torch.randn(3, 2, dtype=torch.float64)
-    chain, means = flow.integrate(lambda x, sigma: velocity.expand_as(x), x0, schedule)
+    chain, means, _ = flow.integrate(lambda x, sigma: velocity.expand_as(x), x0, schedule)
     assert means is None and chain.shape == (4, 6, 3, 2)
     sigmas = schedule.sigmas.to(torch.float64)
     for k in range(6):  # x_k = x_0 + (sigma_k - 1) v
@@ -456,21 +473,21 @@ def test_integrate_ode_with_constant_velocity_is_the_closed_form():
 
 def test_integrate_with_a_mask_is_the_affine_sde_step_at_stochastic_steps_only():
     torch.manual_seed(0)
-    num_steps, noise_level = 4, 0.7
-    schedule = flow.sampling_schedule(num_steps, noise_level, dtype=torch.float64)
+    num_denoising_steps, noise_level = 4, 0.7
+    schedule = flow.sampling_schedule(num_denoising_steps, noise_level, dtype=torch.float64)
     weight = torch.randn(2, 2, dtype=torch.float64)
 
     def velocity(x, sigma):
         return x @ weight + sigma[:, None, None]
 
     x0 = torch.randn(3, 5, 2, dtype=torch.float64)
-    mask = flow.sample_sde_mask((3,), num_steps, "mixed")
-    xi = torch.randn(3, num_steps, 5, 2, dtype=torch.float64)
-    chain, means = flow.integrate(velocity, x0, schedule, mask, xi)
+    mask = flow.sample_sde_mask((3,), num_denoising_steps, "mixed")
+    xi = torch.randn(3, num_denoising_steps, 5, 2, dtype=torch.float64)
+    chain, means, _ = flow.integrate(velocity, x0, schedule, mask, xi)
     sigmas = schedule.sigmas
     for n in range(3):
         x = x0[n]
-        for k in range(num_steps):
+        for k in range(num_denoising_steps):
             v = velocity(x[None], sigmas[k : k + 1])[0]
             if mask[n, k]:
                 mean, std = flow.sde_step(x, v, sigmas[k], sigmas[k + 1], noise_level)
@@ -481,8 +498,8 @@ def test_integrate_with_a_mask_is_the_affine_sde_step_at_stochastic_steps_only()
             torch.testing.assert_close(means[n, k], mean)
             torch.testing.assert_close(chain[n, k + 1], x)
     # The mask off everywhere gives the ODE chain, whatever the noise.
-    ode, _ = flow.integrate(velocity, x0, schedule)
-    no_steps, _ = flow.integrate(velocity, x0, schedule, torch.zeros_like(mask), xi)
+    ode, _, _ = flow.integrate(velocity, x0, schedule)
+    no_steps, _, _ = flow.integrate(velocity, x0, schedule, torch.zeros_like(mask), xi)
     assert torch.equal(ode, no_steps)
 
 
@@ -505,7 +522,7 @@ def test_stochastic_steps_rescore_a_stored_chain_and_chain_log_prob_matches():
         return x - (context if index is None else context[index])
 
     mask = flow.sample_sde_mask((6,), 4, "last", num_sde_steps=2)
-    chain, means = flow.integrate(
+    chain, means, _ = flow.integrate(
         velocity,
         torch.randn(6, 3, 2, dtype=torch.float64),
         schedule,
@@ -527,12 +544,12 @@ def test_stochastic_steps_rescore_a_stored_chain_and_chain_log_prob_matches():
     [
         ({"noise_level": -0.1}, "noise_level"),
         ({"noise_schedule": "cosine"}, "noise_schedule"),
-        ({"num_steps": 1}, "num_steps >= 2"),
+        ({"num_denoising_steps": 1}, "num_denoising_steps >= 2"),
         ({"sde_mode": "last", "num_sde_steps": 8}, "num_sde_steps"),
         ({"shift": 0.0}, "shift"),
     ],
 )
 def test_check_sampler_names_the_bad_argument(arguments, match):
-    options = {"num_steps": 8, "noise_level": 0.5} | arguments
+    options = {"num_denoising_steps": 8, "noise_level": 0.5} | arguments
     with pytest.raises(ValueError, match=match):
         flow.check_sampler(**options)

@@ -15,6 +15,7 @@ from tensordict import TensorDict
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.checkpoint import load_checkpoint
 from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 CHUNK_LENGTH, EXECUTED = 4, 2
 MAX_EPISODE_STEPS = 6  # 3 decisions of 2 steps
@@ -43,7 +44,9 @@ def example_policy() -> FlowSDEPolicy:
 
     torch.manual_seed(0)
     normalizer = ObservationNormalizer(torch.zeros(23), torch.ones(23))
-    return build_policy(model_config(), normalizer, num_steps=4, sde_mode="all")
+    return build_policy(
+        model_config(), normalizer, options=SamplerOptions(num_denoising_steps=4, sde_mode="all")
+    )
 
 
 def grpo_config(ppo, **changes):

@@ -28,6 +28,7 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.envs import make_chunked_env
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 ACTION_DIM = 7
 OBSERVATION_DIM = 23
@@ -61,8 +62,8 @@ def make_policy(executed_chunk_length: int, seed: int = 0) -> FlowSDEPolicy:
     return FlowSDEPolicy(
         network,
         action_shape=(CHUNK_LENGTH, ACTION_DIM),
-        num_steps=NUM_STEPS,
         executed_chunk_length=executed_chunk_length,
+        options=SamplerOptions(num_denoising_steps=NUM_STEPS),
     )
 
 

@@ -24,6 +24,7 @@ from torchrl_flowpolicy.networks import (
     ObservationEncoder,
 )
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 OBSERVATION_DIM = 5
 ACTION_SHAPE = (4, 2)
@@ -54,7 +55,8 @@ def make_policy(
     *,
     dtype: torch.dtype = torch.float64,
     sde_mode: str = "all",
-    num_steps: int = 4,
+    num_denoising_steps: int = 4,
+    noise_level: float = 0.5,
     head_scale: float = 0.3,
     **kwargs,
 ) -> FlowSDEPolicy:
@@ -66,11 +68,14 @@ def make_policy(
     return FlowSDEPolicy(
         network.to(dtype),
         action_shape=ACTION_SHAPE,
-        num_steps=num_steps,
-        sde_mode=sde_mode,
-        num_sde_steps=2,
         noise_head=head.to(dtype),
         **kwargs,
+        options=SamplerOptions(
+            num_denoising_steps=num_denoising_steps,
+            sde_mode=sde_mode,
+            num_sde_steps=2,
+            noise_level=noise_level,
+        ),
     )
 
 
@@ -86,10 +91,8 @@ def make_transformer_policy(sde_mode: str, dtype: torch.dtype = torch.float32) -
         action_shape=ACTION_SHAPE,
         encoder=encoder.to(dtype),
         noise_head=head.to(dtype),
-        num_steps=6,
-        sde_mode=sde_mode,
-        num_sde_steps=3,
         executed_chunk_length=3,
+        options=SamplerOptions(num_denoising_steps=6, sde_mode=sde_mode, num_sde_steps=3),
     )
 
 
@@ -104,11 +107,11 @@ def collect(policy: FlowSDEPolicy, batch_shape=(8,), seed: int = 1) -> TensorDic
 def hand_steps(policy: FlowSDEPolicy, data: TensorDict) -> list[tuple[Tensor, Tensor, Tensor]]:
     """``(mean, std, sample)`` of every stochastic entry, one at a time: the Euler mean
     ``x_k + v(x_k, sigma_k) Delta_k`` and the head's std at ``x_k``, on the executed rows."""
-    num_steps, rows = policy.num_steps, policy.executed_chunk_length
-    chain = data[CHAIN].reshape(-1, num_steps + 1, *ACTION_SHAPE)
-    mask = data[SDE_MASK].reshape(-1, num_steps)
+    num_denoising_steps, rows = policy.num_denoising_steps, policy.executed_chunk_length
+    chain = data[CHAIN].reshape(-1, num_denoising_steps + 1, *ACTION_SHAPE)
+    mask = data[SDE_MASK].reshape(-1, num_denoising_steps)
     observation = data["observation"].reshape(-1, OBSERVATION_DIM)
-    sigmas = flow.sigma_grid(num_steps, dtype=chain.dtype)
+    sigmas = flow.sigma_grid(num_denoising_steps, dtype=chain.dtype)
     entries = []
     for decision, step in mask.nonzero().tolist():
         x, context = chain[decision, step][None], observation[decision][None]
@@ -222,21 +225,21 @@ def _x_dependent_std(x: Tensor, sigma: Tensor) -> Tensor:
 
 def test_integrate_with_a_learned_std_adds_it_to_the_euler_mean():
     generator = torch.Generator().manual_seed(4)
-    num_steps, dtype = 5, torch.float64
+    num_denoising_steps, dtype = 5, torch.float64
     weight = torch.randn(3, 3, generator=generator, dtype=dtype)
 
     def velocity(x, sigma):
         return torch.tanh(x @ weight) * (1 + sigma[:, None, None])
 
-    schedule = flow.sampling_schedule(num_steps, 0.0, dtype=dtype)
+    schedule = flow.sampling_schedule(num_denoising_steps, 0.0, dtype=dtype)
     x0 = torch.randn(6, 2, 3, generator=generator, dtype=dtype)
-    mask = flow.sample_sde_mask((6,), num_steps, "mixed", generator=generator)
-    xi = torch.randn(6, num_steps, 2, 3, generator=generator, dtype=dtype)
+    mask = flow.sample_sde_mask((6,), num_denoising_steps, "mixed", generator=generator)
+    xi = torch.randn(6, num_denoising_steps, 2, 3, generator=generator, dtype=dtype)
     chain, means, step_std = flow.integrate(
         velocity, x0, schedule, mask, xi, noise_std=_x_dependent_std
     )
     sigmas = schedule.sigmas
-    for k in range(num_steps):
+    for k in range(num_denoising_steps):
         x, sigma = chain[:, k], sigmas[k].expand(6)
         euler = x + velocity(x, sigma) * (sigmas[k + 1] - sigmas[k])
         std = torch.where(mask[:, k, None, None], _x_dependent_std(x, sigma), 0.0)
@@ -316,7 +319,7 @@ def test_noise_head_starts_at_its_initial_std_and_stays_in_its_bounds():
 # ---------------------------------------------------------------------------- the policy
 @pytest.mark.parametrize("mode", MODES)
 def test_policy_samples_euler_mean_plus_head_std_and_rescores_exactly(mode):
-    policy = make_policy(sde_mode=mode, num_steps=5, executed_chunk_length=3)
+    policy = make_policy(sde_mode=mode, num_denoising_steps=5, executed_chunk_length=3)
     data = collect(policy, (6,))
     assert STEP_STD in policy.out_keys and STEP_STD in policy.spec.keys(True)
     assert data[STEP_STD].shape == (6, 5, *ACTION_SHAPE)
@@ -336,7 +339,7 @@ def test_policy_samples_euler_mean_plus_head_std_and_rescores_exactly(mode):
 
 
 def test_log_prob_makes_one_call_of_each_network(counting):
-    policy = make_policy(sde_mode="all", num_steps=6)
+    policy = make_policy(sde_mode="all", num_denoising_steps=6)
     policy.velocity_network = counting(policy.velocity_network)
     policy.noise_head = counting(policy.noise_head)
     data = collect(policy, (5,))
@@ -358,7 +361,9 @@ def test_without_a_head_the_fixed_schedule_is_unchanged():
     torch.manual_seed(0)  # a fresh fixed-schedule policy with the same weights and seed
     network = MLPVelocityNetwork(OBSERVATION_DIM, ACTION_SHAPE, hidden_dim=32, num_layers=2)
     plain = FlowSDEPolicy(
-        network.double(), action_shape=ACTION_SHAPE, num_steps=4, sde_mode="all", num_sde_steps=2
+        network.double(),
+        action_shape=ACTION_SHAPE,
+        options=SamplerOptions(num_denoising_steps=4, sde_mode="all", num_sde_steps=2),
     )
     again = collect(plain)
     for key in (CHAIN, SDE_MASK, STEP_LOG_PROB):
@@ -453,7 +458,7 @@ def test_ratio_includes_the_change_of_the_std():
     new = torch.stack([Normal(m, s).log_prob(x).sum() for m, s, x in hand_steps(policy, data)])
     ratio = (new - old).exp()
     assert (ratio - 1).abs().max() > 0.05  # the std change alone moves the ratio
-    entry_advantage = advantage.expand(12, policy.num_steps)[mask]
+    entry_advantage = advantage.expand(12, policy.num_denoising_steps)[mask]
     gain = torch.minimum(ratio * entry_advantage, ratio.clamp(0.8, 1.2) * entry_advantage)
     # (TorchRL keeps the clip bounds log(1 -/+ eps) in float32: agreement to about 1e-8.)
     torch.testing.assert_close(out["loss_objective"], -gain.mean(), rtol=1e-6, atol=1e-8)
@@ -512,7 +517,12 @@ def test_single_step_policy_with_a_bfloat16_network_and_a_float32_head():
     network = MLPVelocityNetwork(OBSERVATION_DIM, (1, 3), hidden_dim=32).to(torch.bfloat16)
     head = NoiseHead(OBSERVATION_DIM, (1, 3), min_std=0.02, max_std=0.5)
     perturb(head, 0.3)
-    policy = FlowSDEPolicy(network, action_shape=(3,), noise_head=head, sde_mode="all", num_steps=4)
+    policy = FlowSDEPolicy(
+        network,
+        action_shape=(3,),
+        noise_head=head,
+        options=SamplerOptions(sde_mode="all", num_denoising_steps=4),
+    )
     data = collect(policy, (7,))
     assert data["action"].shape == (7, 3) and data[CHAIN].shape == (7, 5, 3)
     assert data[STEP_STD].shape == (7, 4, 3) and data[STEP_STD].dtype == torch.float32

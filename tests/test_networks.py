@@ -14,6 +14,7 @@ from torchrl_flowpolicy.networks import (
     SigmaEmbedding,
 )
 from torchrl_flowpolicy.policy import FlowSDEPolicy
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 STEP_LOG_PROB_KEY = ("flow", "step_log_prob")  # the policy's default key
 
@@ -103,7 +104,10 @@ def test_encoder_runs_once_per_decision_batch(counting, mode):
     encoder, expert = make_encoder_and_expert()
     encoder, expert = counting(encoder), counting(expert)
     policy = FlowSDEPolicy(
-        expert, action_shape=ACTION_SHAPE, encoder=encoder, num_steps=8, eval_num_steps=20
+        expert,
+        action_shape=ACTION_SHAPE,
+        encoder=encoder,
+        options=SamplerOptions(num_denoising_steps=8, eval_num_denoising_steps=20),
     )
     tensordict = TensorDict({"observation": torch.randn(2, 3, OBSERVATION_DIM)}, batch_size=[2, 3])
     with set_exploration_type(mode), torch.no_grad():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -19,6 +20,7 @@ from torchrl_flowpolicy.networks import (
     TimeReversedVelocity,
 )
 from torchrl_flowpolicy.policy import FlowSDEPolicy
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 # The policy's default output keys (FlowSDEPolicy.set_keys renames them).
 CHAIN_KEY = ("flow", "chain")
@@ -30,6 +32,7 @@ OBSERVATION_DIM = 5
 ACTION_SHAPE = (4, 2)
 MODES = ("mixed", "last", "all")
 RANDOM = ExplorationType.RANDOM
+SAMPLER_FIELDS = {field.name for field in dataclasses.fields(SamplerOptions)}
 SAMPLING_KEYS = {"action", CHAIN_KEY, SDE_MASK_KEY, STEP_LOG_PROB_KEY, LOG_PROB_KEY}
 
 
@@ -63,18 +66,23 @@ def euler_chain(network, observation, initial_noise, sigmas) -> list[torch.Tenso
 
 def sde_step_log_probs(policy, tensordict, executed=None) -> torch.Tensor:
     """Per-step log-probs recomputed independently with ``flow.sde_step`` and ``Normal``."""
-    chain = tensordict[CHAIN_KEY].reshape(-1, policy.num_steps + 1, *policy.action_shape)
-    mask = tensordict[SDE_MASK_KEY].reshape(-1, policy.num_steps)
+    chain = tensordict[CHAIN_KEY].reshape(-1, policy.num_denoising_steps + 1, *policy.action_shape)
+    mask = tensordict[SDE_MASK_KEY].reshape(-1, policy.num_denoising_steps)
     observation = tensordict["observation"].reshape(-1, OBSERVATION_DIM)
-    sigmas = flow.sigma_grid(policy.num_steps, policy.shift, dtype=chain.dtype)
+    sigmas = flow.sigma_grid(policy.num_denoising_steps, policy.options.shift, dtype=chain.dtype)
     rows = slice(None, executed)
     columns = []
     with torch.no_grad():
-        for k in range(policy.num_steps):
+        for k in range(policy.num_denoising_steps):
             x = chain[:, k]
             velocity = policy.velocity_network(x, sigmas[k].expand(x.shape[0]), observation)
             mean, std = flow.sde_step(
-                x, velocity, sigmas[k], sigmas[k + 1], policy.noise_level, policy.noise_schedule
+                x,
+                velocity,
+                sigmas[k],
+                sigmas[k + 1],
+                policy.options.noise_level,
+                policy.options.noise_schedule,
             )
             if std > 0:
                 normal = Normal(mean[:, rows], std)
@@ -90,23 +98,28 @@ def sde_step_log_probs(policy, tensordict, executed=None) -> torch.Tensor:
 @pytest.mark.parametrize("shift", [1.0, 3.0])
 def test_zero_noise_sampler_is_exactly_the_euler_ode(mode, shift):
     network = make_network()
-    num_steps, batch = 8, 6
+    num_denoising_steps, batch = 8, 6
     policy = FlowSDEPolicy(
         network,
         action_shape=ACTION_SHAPE,
-        noise_level=0.0,
-        sde_mode=mode,
-        num_sde_steps=3,
-        num_steps=num_steps,
-        shift=shift,
+        options=SamplerOptions(
+            noise_level=0.0,
+            sde_mode=mode,
+            num_sde_steps=3,
+            num_denoising_steps=num_denoising_steps,
+            shift=shift,
+        ),
     )
     tensordict = make_tensordict((batch,))
     with torch.no_grad():
         out = sample(policy, tensordict, seed=3)
         torch.manual_seed(3)
-        initial_noise = torch.randn(batch, num_steps + 1, *ACTION_SHAPE)[:, 0]
+        initial_noise = torch.randn(batch, num_denoising_steps + 1, *ACTION_SHAPE)[:, 0]
         expected = euler_chain(
-            network, tensordict["observation"], initial_noise, flow.sigma_grid(num_steps, shift)
+            network,
+            tensordict["observation"],
+            initial_noise,
+            flow.sigma_grid(num_denoising_steps, shift),
         )
     for k, x in enumerate(expected):
         assert torch.equal(out[CHAIN_KEY][:, k], x), f"chain differs at x_{k}"
@@ -116,7 +129,9 @@ def test_zero_noise_sampler_is_exactly_the_euler_ode(mode, shift):
 def test_deterministic_mode_is_exactly_the_euler_ode():
     network = make_network()
     policy = FlowSDEPolicy(
-        network, action_shape=ACTION_SHAPE, eval_num_steps=20, shift=2.0, eval_noise_scale=1.0
+        network,
+        action_shape=ACTION_SHAPE,
+        options=SamplerOptions(eval_num_denoising_steps=20, shift=2.0, eval_noise_scale=1.0),
     )
     tensordict = make_tensordict((5,))
     with torch.no_grad():
@@ -135,9 +150,13 @@ def test_deterministic_mode_is_exactly_the_euler_ode():
 def test_eval_noise_scale_scales_the_initial_noise_of_the_ode_only(scale):
     network = make_network()
     policy = FlowSDEPolicy(
-        network, action_shape=ACTION_SHAPE, eval_num_steps=6, eval_noise_scale=scale
+        network,
+        action_shape=ACTION_SHAPE,
+        options=SamplerOptions(eval_num_denoising_steps=6, eval_noise_scale=scale),
     )
-    reference = FlowSDEPolicy(network, action_shape=ACTION_SHAPE, eval_num_steps=6)
+    reference = FlowSDEPolicy(
+        network, action_shape=ACTION_SHAPE, options=SamplerOptions(eval_num_denoising_steps=6)
+    )
     tensordict = make_tensordict((5,))
     with torch.no_grad():
         out = sample(policy, tensordict, seed=4, mode=ExplorationType.DETERMINISTIC)
@@ -158,11 +177,11 @@ def test_rollout_noise_scale_scales_x0_and_the_log_prob_stays_exact(scale):
     policy = FlowSDEPolicy(
         network,
         action_shape=ACTION_SHAPE,
-        sde_mode="last",
-        num_sde_steps=2,
-        rollout_noise_scale=scale,
+        options=SamplerOptions(sde_mode="last", num_sde_steps=2, rollout_noise_scale=scale),
     )
-    reference = FlowSDEPolicy(network, action_shape=ACTION_SHAPE, sde_mode="last", num_sde_steps=2)
+    reference = FlowSDEPolicy(
+        network, action_shape=ACTION_SHAPE, options=SamplerOptions(sde_mode="last", num_sde_steps=2)
+    )
     tensordict = make_tensordict((5,))
     out = sample(policy, tensordict, seed=3)
     full = sample(reference, tensordict, seed=3)
@@ -191,9 +210,7 @@ def test_step_log_prob_matches_sde_step_recomputation(mode, schedule):
     policy = FlowSDEPolicy(
         make_network(),
         action_shape=ACTION_SHAPE,
-        sde_mode=mode,
-        noise_schedule=schedule,
-        shift=2.0,
+        options=SamplerOptions(sde_mode=mode, noise_schedule=schedule, shift=2.0),
     )
     out = sample(policy, make_tensordict((16,)))
     expected = sde_step_log_probs(policy, out)
@@ -206,7 +223,9 @@ def test_step_log_prob_matches_sde_step_recomputation(mode, schedule):
 
 
 def test_log_prob_gradient_flows_through_the_mean_only():
-    policy = FlowSDEPolicy(make_network(), action_shape=ACTION_SHAPE, sde_mode="all")
+    policy = FlowSDEPolicy(
+        make_network(), action_shape=ACTION_SHAPE, options=SamplerOptions(sde_mode="all")
+    )
     with torch.no_grad():
         out = sample(policy, make_tensordict((8,)))
     parameters = list(policy.velocity_network.parameters())
@@ -242,7 +261,9 @@ def test_log_prob_gradcheck_wrt_network_parameters():
     network = MLPVelocityNetwork(
         3, (2, 2), hidden_dim=4, num_layers=1, sigma_embedding_dim=4
     ).double()
-    policy = FlowSDEPolicy(network, action_shape=(2, 2), num_steps=4, sde_mode="all")
+    policy = FlowSDEPolicy(
+        network, action_shape=(2, 2), options=SamplerOptions(num_denoising_steps=4, sde_mode="all")
+    )
     observation = torch.randn(3, 3, dtype=torch.float64)
     with torch.no_grad():
         out = sample(policy, TensorDict({"observation": observation}, batch_size=[3]))
@@ -258,14 +279,18 @@ def test_log_prob_gradcheck_wrt_network_parameters():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("num_steps", [2, 8, 16])
-def test_log_prob_makes_exactly_one_network_call(counting, mode, num_steps):
+@pytest.mark.parametrize("num_denoising_steps", [2, 8, 16])
+def test_log_prob_makes_exactly_one_network_call(counting, mode, num_denoising_steps):
     network = counting(make_network())
     policy = FlowSDEPolicy(
-        network, action_shape=ACTION_SHAPE, num_steps=num_steps, sde_mode=mode, num_sde_steps=1
+        network,
+        action_shape=ACTION_SHAPE,
+        options=SamplerOptions(
+            num_denoising_steps=num_denoising_steps, sde_mode=mode, num_sde_steps=1
+        ),
     )
     out = sample(policy, make_tensordict((5,)))
-    assert network.calls == num_steps
+    assert network.calls == num_denoising_steps
     network.calls, network.rows = 0, []
     log_prob = policy.log_prob(out)
     assert network.calls == 1
@@ -274,16 +299,16 @@ def test_log_prob_makes_exactly_one_network_call(counting, mode, num_steps):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in network.parameters())
 
 
-def _transformer_policy(**kwargs):
+def _transformer_policy(options: SamplerOptions | None = None):
     torch.manual_seed(0)
     encoder = ObservationEncoder(OBSERVATION_DIM, model_dim=16, num_tokens=3, hidden_dim=32)
     expert = ActionExpertTransformer(ACTION_SHAPE, model_dim=16, num_heads=2, num_layers=1)
-    return FlowSDEPolicy(expert, action_shape=ACTION_SHAPE, encoder=encoder, **kwargs)
+    return FlowSDEPolicy(expert, action_shape=ACTION_SHAPE, encoder=encoder, options=options)
 
 
 @pytest.mark.parametrize("context_grad", [False, True])
 def test_encoder_gradient_follows_context_grad(context_grad):
-    policy = _transformer_policy(sde_mode="all")
+    policy = _transformer_policy(options=SamplerOptions(sde_mode="all"))
     with torch.no_grad():
         out = sample(policy, make_tensordict((4,)))
     policy.log_prob(out, context_grad=context_grad).sum().backward()
@@ -302,7 +327,9 @@ def test_encoder_gradient_follows_context_grad(context_grad):
 @pytest.mark.parametrize("mode", MODES)
 def test_step_zero_is_never_stochastic_in_the_policy(mode):
     policy = FlowSDEPolicy(
-        make_network(), action_shape=ACTION_SHAPE, sde_mode=mode, num_steps=4, num_sde_steps=3
+        make_network(),
+        action_shape=ACTION_SHAPE,
+        options=SamplerOptions(sde_mode=mode, num_denoising_steps=4, num_sde_steps=3),
     )
     with torch.no_grad():
         out = sample(policy, make_tensordict((2000,)))
@@ -329,7 +356,7 @@ def test_same_seed_same_chain_other_seed_other_chain():
 def test_exploration_type_switches_between_sde_and_ode(counting, mode):
     network = counting(make_network())
     policy = FlowSDEPolicy(network, action_shape=ACTION_SHAPE)
-    assert (policy.num_steps, policy.eval_num_steps) == (8, 20)
+    assert (policy.num_denoising_steps, policy.options.eval_num_denoising_steps) == (8, 20)
     tensordict = make_tensordict((3,))
     with torch.no_grad():
         random = sample(policy, tensordict, mode=RANDOM)
@@ -363,22 +390,24 @@ def test_default_interaction_type():
 @pytest.mark.parametrize("batch_shape", [(), (3,), (2, 3)])
 @pytest.mark.parametrize("mode", MODES)
 def test_batch_shapes(batch_shape, mode):
-    num_steps, (chunk, dim) = 8, ACTION_SHAPE
+    num_denoising_steps, (chunk, dim) = 8, ACTION_SHAPE
     policy = FlowSDEPolicy(
-        make_network(), action_shape=ACTION_SHAPE, sde_mode=mode, num_steps=num_steps
+        make_network(),
+        action_shape=ACTION_SHAPE,
+        options=SamplerOptions(sde_mode=mode, num_denoising_steps=num_denoising_steps),
     )
     with torch.no_grad():
         out = sample(policy, make_tensordict(batch_shape))
         recomputed = policy.log_prob(out)
     assert out.batch_size == batch_shape
     assert out["action"].shape == (*batch_shape, chunk, dim)
-    assert out[CHAIN_KEY].shape == (*batch_shape, num_steps + 1, chunk, dim)
-    assert out[SDE_MASK_KEY].shape == (*batch_shape, num_steps)
+    assert out[CHAIN_KEY].shape == (*batch_shape, num_denoising_steps + 1, chunk, dim)
+    assert out[SDE_MASK_KEY].shape == (*batch_shape, num_denoising_steps)
     assert out[SDE_MASK_KEY].dtype == torch.bool
-    assert out[STEP_LOG_PROB_KEY].shape == (*batch_shape, num_steps)
+    assert out[STEP_LOG_PROB_KEY].shape == (*batch_shape, num_denoising_steps)
     assert out[LOG_PROB_KEY].shape == batch_shape
     assert torch.equal(out["action"], out[CHAIN_KEY][..., -1, :, :])
-    assert recomputed.shape == (*batch_shape, num_steps)
+    assert recomputed.shape == (*batch_shape, num_denoising_steps)
     torch.testing.assert_close(recomputed, out[STEP_LOG_PROB_KEY], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[LOG_PROB_KEY], out[STEP_LOG_PROB_KEY].sum(-1))
     with set_exploration_type(ExplorationType.DETERMINISTIC), torch.no_grad():
@@ -388,7 +417,9 @@ def test_batch_shapes(batch_shape, mode):
 
 def test_float64_network_samples_in_float64():
     network = make_network().double()
-    policy = FlowSDEPolicy(network, action_shape=ACTION_SHAPE, sde_mode="all")
+    policy = FlowSDEPolicy(
+        network, action_shape=ACTION_SHAPE, options=SamplerOptions(sde_mode="all")
+    )
     with torch.no_grad():
         out = sample(policy, make_tensordict((4,)))
         recomputed = policy.log_prob(out)
@@ -402,7 +433,9 @@ def test_float64_network_samples_in_float64():
 
 def test_bfloat16_network_keeps_the_chain_in_float32(counting):
     network = counting(make_network().to(torch.bfloat16))
-    policy = FlowSDEPolicy(network, action_shape=ACTION_SHAPE, sde_mode="all")
+    policy = FlowSDEPolicy(
+        network, action_shape=ACTION_SHAPE, options=SamplerOptions(sde_mode="all")
+    )
     seen_dtypes = []
     network.register_forward_pre_hook(lambda module, args: seen_dtypes.append(args[0].dtype))
     with torch.no_grad():
@@ -416,7 +449,7 @@ def test_bfloat16_network_keeps_the_chain_in_float32(counting):
     # The stored x_{k+1} is mean + std * xi with the policy's float32 draw xi; recomputing
     # the mean with bfloat16 velocities recovers xi up to the bfloat16 rounding of v.
     torch.manual_seed(0)
-    step_noise = torch.randn(4, policy.num_steps + 1, *ACTION_SHAPE)[:, 1:]
+    step_noise = torch.randn(4, policy.num_denoising_steps + 1, *ACTION_SHAPE)[:, 1:]
     steps = policy.stochastic_steps(out)
     recovered = (steps.sample - steps.mean.detach()) / steps.std[:, None, None]
     torch.testing.assert_close(recovered, step_noise[out[SDE_MASK_KEY]], rtol=0, atol=0.05)
@@ -425,9 +458,14 @@ def test_bfloat16_network_keeps_the_chain_in_float32(counting):
 def test_executed_chunk_length_restricts_action_and_log_prob():
     executed = 2
     policy = FlowSDEPolicy(
-        make_network(), action_shape=ACTION_SHAPE, executed_chunk_length=executed, sde_mode="all"
+        make_network(),
+        action_shape=ACTION_SHAPE,
+        executed_chunk_length=executed,
+        options=SamplerOptions(sde_mode="all"),
     )
-    full = FlowSDEPolicy(policy.velocity_network, action_shape=ACTION_SHAPE, sde_mode="all")
+    full = FlowSDEPolicy(
+        policy.velocity_network, action_shape=ACTION_SHAPE, options=SamplerOptions(sde_mode="all")
+    )
     with torch.no_grad():
         out = sample(policy, make_tensordict((5,)))
         recomputed = policy.log_prob(out)
@@ -464,7 +502,7 @@ class _TimeForwardGaussianVelocity(nn.Module):
 def test_time_reversed_adapter_matches_native_network(gaussian_velocity):
     forward_time = _TimeForwardGaussianVelocity(gaussian_velocity.mean, gaussian_velocity.std)
     tensordict = TensorDict({"observation": torch.zeros(64, 1)}, batch_size=[64])
-    options = {"action_shape": (2, 2), "shift": 2.0, "eval_noise_scale": 1.0}
+    options = {"action_shape": (2, 2), "options": SamplerOptions(shift=2.0, eval_noise_scale=1.0)}
     native = FlowSDEPolicy(gaussian_velocity, **options)
     adapted = FlowSDEPolicy(TimeReversedVelocity(forward_time), **options)
     deterministic = ExplorationType.DETERMINISTIC
@@ -480,8 +518,8 @@ def test_time_reversed_adapter_matches_native_network(gaussian_velocity):
 
 
 # --------------------------------------------------------------------------- marginals
-def _gaussian_policy(gaussian_velocity, **kwargs):
-    return FlowSDEPolicy(gaussian_velocity, action_shape=(2, 2), **kwargs)
+def _gaussian_policy(gaussian_velocity, options: SamplerOptions):
+    return FlowSDEPolicy(gaussian_velocity, action_shape=(2, 2), options=options)
 
 
 _SAMPLES = 10000
@@ -494,7 +532,8 @@ def test_sde_sampler_preserves_gaussian_marginals(
     gaussian_velocity, check_gaussian_moments, mode, noise_level
 ):
     policy = _gaussian_policy(
-        gaussian_velocity, num_steps=100, noise_level=noise_level, sde_mode=mode
+        gaussian_velocity,
+        options=SamplerOptions(num_denoising_steps=100, noise_level=noise_level, sde_mode=mode),
     )
     with torch.no_grad():
         action = sample(policy, _DUMMY, seed=11)["action"]
@@ -502,7 +541,10 @@ def test_sde_sampler_preserves_gaussian_marginals(
 
 
 def test_ode_sampler_preserves_gaussian_marginals(gaussian_velocity, check_gaussian_moments):
-    policy = _gaussian_policy(gaussian_velocity, eval_num_steps=100, eval_noise_scale=1.0)
+    policy = _gaussian_policy(
+        gaussian_velocity,
+        options=SamplerOptions(eval_num_denoising_steps=100, eval_noise_scale=1.0),
+    )
     with torch.no_grad():
         action = sample(policy, _DUMMY, seed=12, mode=ExplorationType.DETERMINISTIC)["action"]
     check_gaussian_moments(action, gaussian_velocity.mean, gaussian_velocity.std, 100)
@@ -520,7 +562,8 @@ def test_marginal_check_rejects_a_drift_without_score_correction(
 
     monkeypatch.setattr(flow.sampling, "step_coefficients", without_score_correction)
     policy = _gaussian_policy(
-        gaussian_velocity, num_steps=100, noise_level=noise_level, sde_mode="all"
+        gaussian_velocity,
+        options=SamplerOptions(num_denoising_steps=100, noise_level=noise_level, sde_mode="all"),
     )
     with torch.no_grad():
         action = sample(policy, _DUMMY, seed=11)["action"]
@@ -533,7 +576,7 @@ def test_marginal_check_rejects_a_drift_without_score_correction(
     ("kwargs", "match"),
     [
         ({"noise_level": -0.1}, "noise_level"),
-        ({"sde_mode": "mixed", "num_steps": 1}, "num_steps"),
+        ({"sde_mode": "mixed", "num_denoising_steps": 1}, "num_denoising_steps"),
         ({"shift": 0.0}, "shift"),
         ({"shift": -2.0}, "shift"),
         ({"executed_chunk_length": 0}, "executed_chunk_length"),
@@ -541,7 +584,7 @@ def test_marginal_check_rejects_a_drift_without_score_correction(
         ({"sde_mode": "first"}, "sde_mode"),
         ({"noise_schedule": "cosine"}, "noise_schedule"),
         ({"sde_mode": "last", "num_sde_steps": 8}, "num_sde_steps"),
-        ({"eval_num_steps": 0}, "eval_num_steps"),
+        ({"eval_num_denoising_steps": 0}, "eval_num_denoising_steps"),
         ({"eval_noise_scale": -0.5}, "eval_noise_scale"),
         ({"eval_noise_scale": float("nan")}, "eval_noise_scale"),
         ({"rollout_noise_scale": -1.0}, "rollout_noise_scale"),
@@ -550,9 +593,13 @@ def test_marginal_check_rejects_a_drift_without_score_correction(
     ],
 )
 def test_constructor_errors(kwargs, match):
-    options = {"action_shape": ACTION_SHAPE} | kwargs
+    # The sampler settings go through SamplerOptions, the others are the policy's arguments.
+    settings = {name: value for name, value in kwargs.items() if name in SAMPLER_FIELDS}
+    arguments = {"action_shape": ACTION_SHAPE} | {
+        name: value for name, value in kwargs.items() if name not in SAMPLER_FIELDS
+    }
     with pytest.raises(ValueError, match=match):
-        FlowSDEPolicy(make_network(), **options)
+        FlowSDEPolicy(make_network(), options=SamplerOptions(**settings), **arguments)
 
 
 @pytest.mark.parametrize("mode", [RANDOM, ExplorationType.DETERMINISTIC])
@@ -589,11 +636,17 @@ def test_log_prob_wrong_chain_and_mask_shapes():
         policy.log_prob(wrong_mask)
 
 
-def test_log_prob_chain_with_other_num_steps():
-    short = FlowSDEPolicy(make_network(), action_shape=ACTION_SHAPE, num_steps=4)
+def test_log_prob_chain_with_other_num_denoising_steps():
+    short = FlowSDEPolicy(
+        make_network(), action_shape=ACTION_SHAPE, options=SamplerOptions(num_denoising_steps=4)
+    )
     out = sample(short, make_tensordict((3,)))
-    policy = FlowSDEPolicy(short.velocity_network, action_shape=ACTION_SHAPE, num_steps=8)
-    with pytest.raises(ValueError, match=r"K=4.*num_steps=8"):
+    policy = FlowSDEPolicy(
+        short.velocity_network,
+        action_shape=ACTION_SHAPE,
+        options=SamplerOptions(num_denoising_steps=8),
+    )
+    with pytest.raises(ValueError, match=r"num_denoising_steps=8.*K=4"):
         policy.log_prob(out)
 
 
@@ -612,8 +665,8 @@ class _NonFiniteAt(nn.Module):
 
 @pytest.mark.parametrize("mode", [RANDOM, ExplorationType.DETERMINISTIC])
 def test_non_finite_velocity_names_the_denoising_step(mode):
-    num_steps = 8 if mode == RANDOM else 20
-    bad_sigma = float(flow.sigma_grid(num_steps)[3])
+    num_denoising_steps = 8 if mode == RANDOM else 20
+    bad_sigma = float(flow.sigma_grid(num_denoising_steps)[3])
     policy = FlowSDEPolicy(_NonFiniteAt(make_network(), bad_sigma), action_shape=ACTION_SHAPE)
     with torch.no_grad(), pytest.raises(ValueError, match="denoising step 3"):
         sample(policy, make_tensordict((3,)), mode=mode)
@@ -622,7 +675,8 @@ def test_non_finite_velocity_names_the_denoising_step(mode):
 def test_non_finite_velocity_in_log_prob():
     network = make_network()
     out = sample(
-        FlowSDEPolicy(network, action_shape=ACTION_SHAPE, sde_mode="all"), make_tensordict((3,))
+        FlowSDEPolicy(network, action_shape=ACTION_SHAPE, options=SamplerOptions(sde_mode="all")),
+        make_tensordict((3,)),
     )
     bad_sigma = float(flow.sigma_grid(8)[5])
     policy = FlowSDEPolicy(_NonFiniteAt(network, bad_sigma), action_shape=ACTION_SHAPE)
@@ -680,7 +734,11 @@ def test_single_step_policy_steps_an_unwrapped_gym_env():
     torch.manual_seed(0)
     network = MLPVelocityNetwork(observation_dim, (1, action_dim), hidden_dim=32, num_layers=2)
     shapes = _record_input_shapes(network)
-    policy = FlowSDEPolicy(network, action_shape=(action_dim,), num_steps=4, sde_mode="all")
+    policy = FlowSDEPolicy(
+        network,
+        action_shape=(action_dim,),
+        options=SamplerOptions(num_denoising_steps=4, sde_mode="all"),
+    )
     assert policy.action_shape == (action_dim,)
     assert policy.chunk_shape == (1, action_dim)
     env.set_seed(0)
@@ -731,7 +789,12 @@ def test_collector_with_a_compiled_policy_keeps_the_chain():
 
     torch.manual_seed(0)
     network = MLPVelocityNetwork(23, (3, 7), hidden_dim=32, num_layers=2)
-    policy = FlowSDEPolicy(network, action_shape=(3, 7), executed_chunk_length=2, num_steps=4)
+    policy = FlowSDEPolicy(
+        network,
+        action_shape=(3, 7),
+        executed_chunk_length=2,
+        options=SamplerOptions(num_denoising_steps=4),
+    )
     env = make_chunked_env(TransformedEnv(GymEnv("Pusher-v5"), DoubleToFloat()), 2)
     env.set_seed(0)
     collector = Collector(
@@ -755,7 +818,11 @@ def test_collector_with_a_compiled_policy_keeps_the_chain():
     "mode", [ExplorationType.DETERMINISTIC, ExplorationType.MODE, ExplorationType.MEAN]
 )
 def test_deterministic_evaluation_repeats_by_default(mode):
-    policy = FlowSDEPolicy(make_network(), action_shape=ACTION_SHAPE, eval_num_steps=6)
+    policy = FlowSDEPolicy(
+        make_network(),
+        action_shape=ACTION_SHAPE,
+        options=SamplerOptions(eval_num_denoising_steps=6),
+    )
     tensordict = make_tensordict((3,))
     with set_exploration_type(mode), torch.no_grad():
         first, second = policy(tensordict.clone())["action"], policy(tensordict.clone())["action"]
@@ -764,7 +831,9 @@ def test_deterministic_evaluation_repeats_by_default(mode):
     assert torch.equal(first, policy.decode(tensordict, torch.zeros(3, *ACTION_SHAPE)))
     # eval_noise_scale=1 samples the model's distribution: another chunk at every call.
     sampled = FlowSDEPolicy(
-        policy.velocity_network, action_shape=ACTION_SHAPE, eval_num_steps=6, eval_noise_scale=1.0
+        policy.velocity_network,
+        action_shape=ACTION_SHAPE,
+        options=SamplerOptions(eval_num_denoising_steps=6, eval_noise_scale=1.0),
     )
     with set_exploration_type(mode), torch.no_grad():
         first, second = sampled(tensordict.clone())["action"], sampled(tensordict.clone())["action"]

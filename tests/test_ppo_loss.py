@@ -28,6 +28,7 @@ from torchrl_flowpolicy.networks import (
 )
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
 from torchrl_flowpolicy.objectives.flow_matching import flow_matching_per_sample
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 OBSERVATION_DIM = 5
 ACTION_SHAPE = (4, 2)
@@ -39,7 +40,7 @@ STEP_LOG_PROB = ("flow", "step_log_prob")
 # ---------------------------------------------------------------------------- helpers
 def make_policy(
     *,
-    num_steps: int = 4,
+    num_denoising_steps: int = 4,
     sde_mode: str = "mixed",
     num_sde_steps: int = 2,
     dtype: torch.dtype = torch.float64,
@@ -52,9 +53,9 @@ def make_policy(
     return FlowSDEPolicy(
         network.to(dtype),
         action_shape=ACTION_SHAPE,
-        num_steps=num_steps,
-        sde_mode=sde_mode,
-        num_sde_steps=num_sde_steps,
+        options=SamplerOptions(
+            num_denoising_steps=num_denoising_steps, sde_mode=sde_mode, num_sde_steps=num_sde_steps
+        ),
     )
 
 
@@ -63,7 +64,10 @@ def make_transformer_policy(*, seed: int = 0) -> FlowSDEPolicy:
     encoder = ObservationEncoder(OBSERVATION_DIM, model_dim=16, num_tokens=2, hidden_dim=32)
     expert = ActionExpertTransformer(ACTION_SHAPE, model_dim=16, num_heads=2, num_layers=1)
     return FlowSDEPolicy(
-        expert.double(), action_shape=ACTION_SHAPE, encoder=encoder.double(), num_steps=4
+        expert.double(),
+        action_shape=ACTION_SHAPE,
+        encoder=encoder.double(),
+        options=SamplerOptions(num_denoising_steps=4),
     )
 
 
@@ -96,11 +100,11 @@ def network_parameters(policy: FlowSDEPolicy) -> list[Tensor]:
 
 def stored(data: TensorDict, policy: FlowSDEPolicy) -> dict[str, Tensor]:
     """The stored rollout entries, flattened to ``[N, ...]``."""
-    num_steps = policy.num_steps
+    num_denoising_steps = policy.num_denoising_steps
     return {
-        "chain": data[CHAIN].reshape(-1, num_steps + 1, *ACTION_SHAPE),
-        "mask": data[SDE_MASK].reshape(-1, num_steps),
-        "old_log_prob": data[STEP_LOG_PROB].reshape(-1, num_steps),
+        "chain": data[CHAIN].reshape(-1, num_denoising_steps + 1, *ACTION_SHAPE),
+        "mask": data[SDE_MASK].reshape(-1, num_denoising_steps),
+        "old_log_prob": data[STEP_LOG_PROB].reshape(-1, num_denoising_steps),
         "observation": data["observation"].reshape(-1, OBSERVATION_DIM),
     }
 
@@ -109,9 +113,9 @@ def hand_step_gaussian(
     policy: FlowSDEPolicy, x: Tensor, observation: Tensor, step: int
 ) -> tuple[Tensor, Tensor]:
     """``(mean_k, std_k)`` of one transition, computed with ``flow.sde_step`` from the stored x_k."""
-    sigmas = flow.sigma_grid(policy.num_steps, policy.shift, dtype=x.dtype)
+    sigmas = flow.sigma_grid(policy.num_denoising_steps, policy.options.shift, dtype=x.dtype)
     velocity = policy.velocity_network(x[None], sigmas[step : step + 1], observation[None])[0]
-    return flow.sde_step(x, velocity, sigmas[step], sigmas[step + 1], policy.noise_level)
+    return flow.sde_step(x, velocity, sigmas[step], sigmas[step + 1], policy.options.noise_level)
 
 
 def reference_entries(
@@ -132,7 +136,7 @@ def reference_entries(
     advantage = advantage.reshape(-1)
     gains, ratios, advantages = [], [], []
     for decision in range(entries["chain"].shape[0]):
-        for step in range(policy.num_steps):
+        for step in range(policy.num_denoising_steps):
             if not entries["mask"][decision, step]:
                 continue
             chain = entries["chain"][decision]
@@ -153,14 +157,17 @@ def reference_entries(
 
 # ---------------------------------------------------------------------------- fresh data
 @pytest.mark.parametrize(
-    "sde_mode, num_steps, num_sde_steps, entries_per_decision",
+    "sde_mode, num_denoising_steps, num_sde_steps, entries_per_decision",
     [("mixed", 4, 2, 1), ("last", 6, 3, 3), ("all", 5, 2, 4)],
 )
 def test_fresh_data_has_unit_ratios_and_objective_minus_mean_advantage(
-    sde_mode, num_steps, num_sde_steps, entries_per_decision
+    sde_mode, num_denoising_steps, num_sde_steps, entries_per_decision
 ):
     policy = make_policy(
-        num_steps=num_steps, sde_mode=sde_mode, num_sde_steps=num_sde_steps, dtype=torch.float32
+        num_denoising_steps=num_denoising_steps,
+        sde_mode=sde_mode,
+        num_sde_steps=num_sde_steps,
+        dtype=torch.float32,
     )
     data = collect(policy, (32,))
     advantage = non_uniform_advantage((32,), dtype=torch.float32)
@@ -180,7 +187,7 @@ def test_fresh_data_has_unit_ratios_and_objective_minus_mean_advantage(
 
 def test_fresh_data_objective_weights_each_stochastic_entry():
     """With a hand-built mask of uneven entry counts the mean runs over entries, not decisions."""
-    policy = make_policy(num_steps=4, sde_mode="all")
+    policy = make_policy(num_denoising_steps=4, sde_mode="all")
     data = collect(policy, (6,))
     mask = data[SDE_MASK].clone()
     mask[0, 1:] = torch.tensor([True, False, False])
@@ -200,7 +207,7 @@ def test_fresh_data_objective_weights_each_stochastic_entry():
 @pytest.mark.parametrize("sde_mode", ["mixed", "all"])
 @pytest.mark.parametrize("clip_epsilon", [0.2, (0.2, 0.28)])
 def test_objective_and_gradient_match_the_seed_formula(sde_mode, clip_epsilon):
-    policy = make_policy(num_steps=4, sde_mode=sde_mode)
+    policy = make_policy(num_denoising_steps=4, sde_mode=sde_mode)
     data = collect(policy, (16,))
     advantage = non_uniform_advantage((16,))
     data["advantage"] = advantage
@@ -232,7 +239,7 @@ def test_objective_and_gradient_match_the_seed_formula(sde_mode, clip_epsilon):
 
 @pytest.mark.parametrize("sde_mode", ["mixed", "all"])
 def test_dual_clip_matches_the_formula(sde_mode):
-    policy = make_policy(num_steps=4, sde_mode=sde_mode)
+    policy = make_policy(num_denoising_steps=4, sde_mode=sde_mode)
     data = collect(policy, (16,))
     advantage = non_uniform_advantage((16,))
     data["advantage"] = advantage
@@ -271,17 +278,17 @@ class SingleStepGaussian(nn.Module):
     Uses the same velocity network (and so the same parameters) as the flow policy.
     """
 
-    def __init__(self, velocity_network: nn.Module, num_steps: int, noise_level: float):
+    def __init__(self, velocity_network: nn.Module, num_denoising_steps: int, noise_level: float):
         super().__init__()
         self.velocity_network = velocity_network
-        self.num_steps = num_steps
+        self.num_denoising_steps = num_denoising_steps
         self.noise_level = noise_level
 
     def forward(self, observation: Tensor, chain: Tensor, sde_mask: Tensor):
         step = sde_mask.long().argmax(-1)
         decision = torch.arange(chain.shape[0])
         x = chain[decision, step]
-        sigmas = flow.sigma_grid(self.num_steps, dtype=chain.dtype)
+        sigmas = flow.sigma_grid(self.num_denoising_steps, dtype=chain.dtype)
         sigma, sigma_next = sigmas[step], sigmas[step + 1]
         velocity = self.velocity_network(x, sigma, observation)
         loc, std = flow.sde_step(
@@ -290,12 +297,16 @@ class SingleStepGaussian(nn.Module):
         return loc, std.expand_as(loc)
 
 
-@pytest.mark.parametrize("num_steps, sde_mode, num_sde_steps", [(2, "mixed", 1), (5, "last", 1)])
+@pytest.mark.parametrize(
+    "num_denoising_steps, sde_mode, num_sde_steps", [(2, "mixed", 1), (5, "last", 1)]
+)
 @pytest.mark.parametrize("clip_epsilon", [0.2, (0.2, 0.28)])
 def test_single_stochastic_step_matches_torchrl_clip_ppo_loss(
-    num_steps, sde_mode, num_sde_steps, clip_epsilon
+    num_denoising_steps, sde_mode, num_sde_steps, clip_epsilon
 ):
-    policy = make_policy(num_steps=num_steps, sde_mode=sde_mode, num_sde_steps=num_sde_steps)
+    policy = make_policy(
+        num_denoising_steps=num_denoising_steps, sde_mode=sde_mode, num_sde_steps=num_sde_steps
+    )
     data = collect(policy, (24,))
     assert data[SDE_MASK].sum(-1).eq(1).all()
     # The only stochastic step is the last one: its sample x_{k+1} is the action x_K.
@@ -306,7 +317,9 @@ def test_single_stochastic_step_matches_torchrl_clip_ppo_loss(
 
     actor = ProbabilisticActor(
         TensorDictModule(
-            SingleStepGaussian(policy.velocity_network, num_steps, policy.noise_level),
+            SingleStepGaussian(
+                policy.velocity_network, num_denoising_steps, policy.options.noise_level
+            ),
             in_keys=["observation", CHAIN, SDE_MASK],
             out_keys=["loc", "scale"],
         ),
@@ -335,7 +348,7 @@ def test_single_stochastic_step_matches_torchrl_clip_ppo_loss(
 
 # ---------------------------------------------------------------------------- gradients
 def test_gradient_matches_central_finite_differences():
-    policy = make_policy(num_steps=4, sde_mode="all")
+    policy = make_policy(num_denoising_steps=4, sde_mode="all")
     data = collect(policy, (8,))
     data["advantage"] = non_uniform_advantage((8,))
     perturb(policy.velocity_network)
@@ -369,7 +382,7 @@ def test_gradient_matches_central_finite_differences():
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_advantage_sign_moves_the_decision_log_prob(sign):
-    policy = make_policy(num_steps=4, sde_mode="mixed")
+    policy = make_policy(num_denoising_steps=4, sde_mode="mixed")
     data = collect(policy, (8,))
     decision = 3
     advantage = torch.zeros(8, 1, dtype=torch.float64)
@@ -534,7 +547,7 @@ def test_context_grad_lets_the_objective_reach_the_encoder():
 
 # ---------------------------------------------------------------------------- keys, shapes
 def test_set_keys_reads_renamed_nested_entries():
-    policy = make_policy(num_steps=4, sde_mode="all")
+    policy = make_policy(num_denoising_steps=4, sde_mode="all")
     data = collect(policy, (8,))
     data["advantage"] = non_uniform_advantage((8,))
     perturb(policy.velocity_network)
@@ -573,7 +586,7 @@ def test_set_keys_reads_renamed_nested_entries():
 @pytest.mark.parametrize("batch_shape", [(), (6,), (3, 4)])
 @pytest.mark.parametrize("sde_mode", ["mixed", "all"])
 def test_reductions_and_batch_shapes(batch_shape, sde_mode):
-    policy = make_policy(num_steps=4, sde_mode=sde_mode)
+    policy = make_policy(num_denoising_steps=4, sde_mode=sde_mode)
     data = collect(policy, batch_shape)
     advantage = non_uniform_advantage(batch_shape)
     data["advantage"] = advantage
@@ -596,7 +609,7 @@ def test_reductions_and_batch_shapes(batch_shape, sde_mode):
 
 
 def test_collector_validity_mask_drops_padded_decisions():
-    policy = make_policy(num_steps=4, sde_mode="all")
+    policy = make_policy(num_denoising_steps=4, sde_mode="all")
     data = collect(policy, (3, 4))
     advantage = non_uniform_advantage((3, 4))
     data["advantage"] = advantage
@@ -645,7 +658,7 @@ def hand_gae(
 
 def test_gae_advantage_is_computed_inside_forward_for_a_rollout_batch():
     batch, time = 3, 5
-    policy = make_policy(num_steps=4, sde_mode="mixed")
+    policy = make_policy(num_denoising_steps=4, sde_mode="mixed")
     critic = make_critic()
     data = collect(policy, (batch, time))
     generator = torch.Generator().manual_seed(4)
@@ -686,7 +699,7 @@ def test_gae_advantage_is_computed_inside_forward_for_a_rollout_batch():
 
 @pytest.mark.parametrize("batch_shape", [(6,), (3, 4)])
 def test_advantage_of_shape_batch_plus_one(batch_shape):
-    policy = make_policy(num_steps=4, sde_mode="mixed")
+    policy = make_policy(num_denoising_steps=4, sde_mode="mixed")
     data = collect(policy, batch_shape)
     advantage = non_uniform_advantage(batch_shape)
     data["advantage"] = advantage
@@ -700,7 +713,7 @@ def test_advantage_of_shape_batch_plus_one(batch_shape):
 # ---------------------------------------------------------------------------- regularisers
 @pytest.mark.parametrize("kl_estimator", ["analytic", "sample"])
 def test_kl_to_reference_is_zero_at_start_and_matches_hand_computation(kl_estimator):
-    policy = make_policy(num_steps=4, sde_mode="all")
+    policy = make_policy(num_denoising_steps=4, sde_mode="all")
     data = collect(policy, (8,))
     data["advantage"] = non_uniform_advantage((8,))
     kl_coeff = 0.1
@@ -747,7 +760,7 @@ def test_kl_to_reference_is_zero_at_start_and_matches_hand_computation(kl_estima
 
 
 def test_self_imitation_uses_only_successful_decisions_and_falls_when_optimised():
-    policy = make_policy(num_steps=4, sde_mode="mixed")
+    policy = make_policy(num_denoising_steps=4, sde_mode="mixed")
     data = collect(policy, (8,))
     data["advantage"] = non_uniform_advantage((8,))
     success = torch.tensor([True, False, True, False, False, True, False, True])
@@ -777,20 +790,23 @@ def test_self_imitation_uses_only_successful_decisions_and_falls_when_optimised(
 
 # ---------------------------------------------------------------------------- cost
 @pytest.mark.parametrize(
-    "sde_mode, num_steps, num_sde_steps, entries_per_decision",
+    "sde_mode, num_denoising_steps, num_sde_steps, entries_per_decision",
     [("mixed", 8, 4, 1), ("last", 6, 3, 3), ("all", 5, 2, 4)],
 )
 def test_velocity_network_called_once_per_loss_evaluation(
-    counting, sde_mode, num_steps, num_sde_steps, entries_per_decision
+    counting, sde_mode, num_denoising_steps, num_sde_steps, entries_per_decision
 ):
     torch.manual_seed(0)
     network = counting(MLPVelocityNetwork(OBSERVATION_DIM, ACTION_SHAPE, hidden_dim=32))
     policy = make_policy(
-        num_steps=num_steps, sde_mode=sde_mode, num_sde_steps=num_sde_steps, network=network
+        num_denoising_steps=num_denoising_steps,
+        sde_mode=sde_mode,
+        num_sde_steps=num_sde_steps,
+        network=network,
     )
     data = collect(policy, (8,))
     data["advantage"] = non_uniform_advantage((8,))
-    assert network.calls == num_steps
+    assert network.calls == num_denoising_steps
     loss = DenoisingClipPPOLoss(policy, kl_coeff=0.0, bc_coeff=0.0)
 
     network.calls, network.rows = 0, []
@@ -818,11 +834,11 @@ def test_missing_keys_raise_key_errors_naming_the_key(missing, match):
         DenoisingClipPPOLoss(policy)(data.exclude(missing))
 
 
-def test_chain_from_a_policy_with_other_num_steps_is_rejected():
-    data = collect(make_policy(num_steps=4), (4,))
+def test_chain_from_a_policy_with_other_num_denoising_steps_is_rejected():
+    data = collect(make_policy(num_denoising_steps=4), (4,))
     data["advantage"] = non_uniform_advantage((4,))
-    with pytest.raises(ValueError, match="num_steps=6"):
-        DenoisingClipPPOLoss(make_policy(num_steps=6))(data)
+    with pytest.raises(ValueError, match="num_denoising_steps=6"):
+        DenoisingClipPPOLoss(make_policy(num_denoising_steps=6))(data)
 
 
 def test_stored_log_probs_requiring_grad_are_rejected():
@@ -873,7 +889,7 @@ def test_options_the_loss_cannot_honour_are_refused():
 
 @pytest.mark.parametrize("max_importance_ratio", [1e-6, 1.02])
 def test_max_importance_ratio_caps_every_step_ratio_as_torchrl_does(max_importance_ratio):
-    policy = make_policy(num_steps=4, sde_mode="all")
+    policy = make_policy(num_denoising_steps=4, sde_mode="all")
     data = collect(policy, (16,))
     advantage = non_uniform_advantage((16,))
     data["advantage"] = advantage
@@ -947,7 +963,11 @@ def test_single_step_policy_loss():
     # A per-step policy (action_shape=(D,)): the chain is [*B, K+1, D], the loss the same.
     torch.manual_seed(0)
     network = MLPVelocityNetwork(OBSERVATION_DIM, (1, 3), hidden_dim=32, num_layers=2)
-    policy = FlowSDEPolicy(network.double(), action_shape=(3,), num_steps=4, sde_mode="all")
+    policy = FlowSDEPolicy(
+        network.double(),
+        action_shape=(3,),
+        options=SamplerOptions(num_denoising_steps=4, sde_mode="all"),
+    )
     data = collect(policy, (2, 5))
     assert data["action"].shape == (2, 5, 3) and data[CHAIN].shape == (2, 5, 5, 3)
     data["advantage"] = non_uniform_advantage((2, 5))
@@ -965,8 +985,12 @@ def test_self_imitation_of_a_single_step_policy_equals_that_of_a_one_row_chunk()
     # row (action [*B, 1, D]): the self-imitation error is the same at the same seed.
     torch.manual_seed(0)
     network = MLPVelocityNetwork(OBSERVATION_DIM, (1, 3), hidden_dim=32, num_layers=2).double()
-    single = FlowSDEPolicy(network, action_shape=(3,), num_steps=4, sde_mode="all")
-    chunk = FlowSDEPolicy(network, action_shape=(1, 3), num_steps=4, sde_mode="all")
+    single = FlowSDEPolicy(
+        network, action_shape=(3,), options=SamplerOptions(num_denoising_steps=4, sde_mode="all")
+    )
+    chunk = FlowSDEPolicy(
+        network, action_shape=(1, 3), options=SamplerOptions(num_denoising_steps=4, sde_mode="all")
+    )
     data = collect(single, (6,))
     data["advantage"] = non_uniform_advantage((6,))
     data["success"] = torch.tensor([True, False, True, True, False, False])

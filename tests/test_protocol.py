@@ -41,6 +41,7 @@ from torchrl_flowpolicy.protocol import (
     split_seed,
     training_seed,
 )
+from torchrl_flowpolicy.sampler import SamplerOptions
 from torchrl_flowpolicy.statistics import paired_bootstrap_interval, wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,26 +99,31 @@ def test_only_the_protocol_helper_uses_the_held_out_split():
 def tiny_policy(seed: int = 0) -> FlowSDEPolicy:
     torch.manual_seed(seed)
     network = MLPVelocityNetwork(observation_dim=23, action_shape=(4, 7), hidden_dim=16)
-    return FlowSDEPolicy(network, action_shape=(4, 7), executed_chunk_length=2, eval_num_steps=2)
+    return FlowSDEPolicy(
+        network,
+        action_shape=(4, 7),
+        executed_chunk_length=2,
+        options=SamplerOptions(eval_num_denoising_steps=2),
+    )
 
 
 def test_both_decodings_are_seeded_restored_and_leave_the_random_stream_alone():
     policy = tiny_policy()
-    policy.eval_noise_scale = 0.5
+    policy.options = policy.options.replace(eval_noise_scale=0.5)
     env = make_pusher_env(3, executed_chunk_length=2, max_episode_steps=8)
     options = {"max_decisions": 4, "seed": VALIDATION_SEED}
     torch.manual_seed(123)
     state = torch.get_rng_state()
     first = evaluate_decodings(policy, env, **options)
     assert torch.equal(torch.get_rng_state(), state)
-    assert policy.eval_noise_scale == 0.5
+    assert policy.options.eval_noise_scale == 0.5
     second = evaluate_decodings(policy, env, **options)
     for name in DECODINGS:
         for key in ("return", "success", "length"):
             assert torch.equal(first[name][key], second[name][key])
     # Each decoding is the ODE from x_0 = scale * N(0, I) with the evaluation's seed.
     for name, scale in (("sampled", 1.0), ("noise_free", 0.0)):
-        policy.eval_noise_scale = scale
+        policy.options = policy.options.replace(eval_noise_scale=scale)
         by_hand = evaluate_episodes(policy, env, **options)
         torch.testing.assert_close(by_hand["return"], first[name]["return"], rtol=0, atol=0)
     assert not torch.equal(first["sampled"]["return"], first["noise_free"]["return"])

@@ -1,7 +1,8 @@
 """The default task: success criterion, scripted expert, TorchRL env and cached demos.
 
 Covers :mod:`torchrl_flowpolicy.envs.pusher`, :mod:`~torchrl_flowpolicy.envs.pusher_expert`
-and :mod:`~torchrl_flowpolicy.envs.demonstrations`.
+and :mod:`~torchrl_flowpolicy.envs.demonstrations` (with
+:mod:`~torchrl_flowpolicy.envs.pusher_demos`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torchrl.envs import Compose, DoubleToFloat, GymEnv, TransformedEnv
 from torchrl.envs.utils import check_env_specs
 
 from torchrl_flowpolicy.envs import BatchedGymEnv, make_chunked_env
-from torchrl_flowpolicy.envs.demonstrations import collect_demos, demos_path, load_or_collect_demos
+from torchrl_flowpolicy.envs.demonstrations import demos_path, load_or_collect_demos
 from torchrl_flowpolicy.envs.pusher import (
     DEFAULT_SUCCESS_THRESHOLD,
     PUSHER_ENV_ID,
@@ -28,6 +29,7 @@ from torchrl_flowpolicy.envs.pusher import (
     make_pusher_env,
     object_goal_distance,
 )
+from torchrl_flowpolicy.envs.pusher_demos import collect_demos
 from torchrl_flowpolicy.envs.pusher_expert import PusherExpert
 
 

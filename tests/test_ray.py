@@ -23,6 +23,7 @@ from tensordict import TensorDict
 
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install '.[ray]'")
 
@@ -58,9 +59,8 @@ def make_policy() -> FlowSDEPolicy:
     return FlowSDEPolicy(
         network,
         action_shape=(CHUNK_LENGTH, ACTION_DIM),
-        num_steps=NUM_STEPS,
         executed_chunk_length=EXECUTED,
-        sde_mode="all",
+        options=SamplerOptions(num_denoising_steps=NUM_STEPS, sde_mode="all"),
     )
 
 

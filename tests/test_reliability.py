@@ -9,6 +9,7 @@ math and of the policy/loss contract.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -27,6 +28,7 @@ from torchrl_flowpolicy.checkpoint import atomic_write, load_checkpoint, save_ch
 from torchrl_flowpolicy.dsrl import NOISE_KEY, NoiseActionTransform, NoiseDecoder
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 OBSERVATION_DIM = 5
 ACTION_SHAPE = (4, 2)
@@ -44,9 +46,18 @@ def make_network(action_shape=ACTION_SHAPE, dtype=torch.float32) -> MLPVelocityN
     return network.to(dtype)
 
 
-def make_policy(**kwargs) -> FlowSDEPolicy:
-    options = {"action_shape": ACTION_SHAPE, "num_steps": 4} | kwargs
-    return FlowSDEPolicy(make_network(), **options)
+SAMPLER_FIELDS = {field.name for field in dataclasses.fields(SamplerOptions)}
+
+
+def make_policy(**settings) -> FlowSDEPolicy:
+    """A policy of K = 4 steps; ``settings`` are SamplerOptions fields or policy arguments."""
+    options = {"num_denoising_steps": 4} | {
+        name: value for name, value in settings.items() if name in SAMPLER_FIELDS
+    }
+    arguments = {name: value for name, value in settings.items() if name not in SAMPLER_FIELDS}
+    return FlowSDEPolicy(
+        make_network(), action_shape=ACTION_SHAPE, options=SamplerOptions(**options), **arguments
+    )
 
 
 def collect(policy: FlowSDEPolicy, batch_size: int = 6, *, seed: int = 1) -> TensorDict:
@@ -73,11 +84,11 @@ def key_pattern(key) -> str:
         ({"shift": float("inf")}, "shift"),
         ({"shift": float("nan")}, "shift"),
         ({"shift": -1.0}, "shift"),
-        ({"num_steps": -3}, "num_steps"),
-        ({"num_steps": 2.5}, "num_steps"),
-        ({"num_steps": 0, "sde_mode": "all"}, "num_steps"),
-        ({"eval_num_steps": 2.5}, "eval_num_steps"),
-        ({"eval_num_steps": -1}, "eval_num_steps"),
+        ({"num_denoising_steps": -3}, "num_denoising_steps"),
+        ({"num_denoising_steps": 2.5}, "num_denoising_steps"),
+        ({"num_denoising_steps": 0, "sde_mode": "all"}, "num_denoising_steps"),
+        ({"eval_num_denoising_steps": 2.5}, "eval_num_denoising_steps"),
+        ({"eval_num_denoising_steps": -1}, "eval_num_denoising_steps"),
         ({"num_sde_steps": 1.5, "sde_mode": "last"}, "num_sde_steps"),
         ({"num_sde_steps": 0, "sde_mode": "last"}, "num_sde_steps"),
     ],
@@ -93,62 +104,71 @@ def test_bad_sampler_parameters_are_refused_at_construction(kwargs, match):
         ("noise_level", float("nan")),
         ("noise_level", -1.0),
         ("shift", float("inf")),
-        ("num_steps", 2.5),
-        ("num_steps", -3),
-        ("num_steps", 1),  # mixed mode needs K >= 2
-        ("eval_num_steps", 0),
+        ("num_denoising_steps", 2.5),
+        ("num_denoising_steps", -3),
+        ("num_denoising_steps", 1),  # mixed mode needs K >= 2
+        ("eval_num_denoising_steps", 0),
         ("sde_mode", "first"),
         ("noise_schedule", "cosine"),
     ],
 )
 def test_bad_sampler_parameters_are_refused_when_set(name, value):
     policy = make_policy()
-    before = getattr(policy, name)
+    before = policy.options
     with pytest.raises(ValueError, match=name):
-        setattr(policy, name, value)
-    assert getattr(policy, name) == before  # refused: the policy keeps its valid setting
+        policy.options = policy.options.replace(**{name: value})
+    assert policy.options == before  # refused: the policy keeps its valid setting
+    assert policy.sampler.options is before
     collect(policy)  # and still samples
 
 
 def test_a_valid_setting_changes_the_schedule():
     policy = make_policy()
-    policy.noise_level = 0.25
-    policy.num_steps = 6
-    assert policy.schedule(6, torch.float32, torch.device("cpu")).num_steps == 6
+    policy.options = policy.options.replace(noise_level=0.25, num_denoising_steps=6)
+    schedule = policy.sampler.schedule(6, torch.float32, torch.device("cpu"))
+    assert schedule.num_denoising_steps == 6
+    assert schedule.std.max() < make_policy().sampler.schedule(6, torch.float32, None).std.max()
     assert collect(policy)[CHAIN].shape[1] == 7
 
 
 def test_a_sigma_grid_that_collapses_in_the_working_dtype_is_refused():
     # shift 1e8 at K = 8: 1 - sigma_1 is about 1e-9, below float32's resolution at 1.
     assert (flow.sigma_grid(8, 1e8, dtype=torch.float64).diff() < 0).all()
-    with pytest.raises(ValueError, match=r"shift=1e\+08.*num_steps=8.*float32"):
+    with pytest.raises(ValueError, match=r"shift=1e\+08.*num_denoising_steps=8.*float32"):
         flow.sampling_schedule(8, 0.5, 1e8, dtype=torch.float32)
     flow.sampling_schedule(8, 0.5, 1e8, dtype=torch.float64)  # fine in float64
     with pytest.raises(ValueError, match="shift"):
-        make_policy(num_steps=8, shift=1e8)
-    with pytest.raises(ValueError, match="eval_num_steps=40.*shift"), warnings.catch_warnings():
+        make_policy(num_denoising_steps=8, shift=1e8)
+    with (
+        pytest.raises(ValueError, match="eval_num_denoising_steps=40.*shift"),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")  # the rollout grid's step 1 explodes (a warning)
-        make_policy(num_steps=2, eval_num_steps=40, shift=2e7)  # the evaluation grid too
-    policy = make_policy(num_steps=8)
+        make_policy(
+            num_denoising_steps=2, eval_num_denoising_steps=40, shift=2e7
+        )  # the evaluation grid too
+    policy = make_policy(num_denoising_steps=8)
     with pytest.raises(ValueError, match="shift"):
-        policy.shift = 1e8
+        policy.options = policy.options.replace(shift=1e8)
 
 
 def test_exploding_steps_warn_and_default_settings_do_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        make_policy(num_steps=8, noise_level=0.5, sde_mode="all")
-        make_policy(num_steps=8, noise_level=2.0, sde_mode="all")  # coefficient -1: at the limit
+        make_policy(num_denoising_steps=8, noise_level=0.5, sde_mode="all")
+        make_policy(
+            num_denoising_steps=8, noise_level=2.0, sde_mode="all"
+        )  # coefficient -1: at the limit
     coefficient = 1 - 5.0**2 / 2  # step 1 of a uniform grid: 1 - a^2 / 2 whatever K
     with pytest.warns(UserWarning, match=rf"noise_level=5.0.*{coefficient}"):
-        make_policy(num_steps=8, noise_level=5.0, sde_mode="all")
-    policy = make_policy(num_steps=8)
+        make_policy(num_denoising_steps=8, noise_level=5.0, sde_mode="all")
+    policy = make_policy(num_denoising_steps=8)
     with pytest.warns(UserWarning, match="noise_level"):
-        policy.noise_level = 5.0
+        policy.options = policy.options.replace(noise_level=5.0)
     # "last" mode warns only about the steps it makes stochastic (the last, tame ones here).
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        make_policy(num_steps=8, noise_level=3.0, sde_mode="last", num_sde_steps=1)
+        make_policy(num_denoising_steps=8, noise_level=3.0, sde_mode="last", num_sde_steps=1)
 
 
 def test_a_network_built_for_another_chunk_shape_is_refused():
@@ -308,7 +328,9 @@ def test_diagnostics_are_finite_without_a_stochastic_step(how):
 def test_an_empty_batch_samples_empty_entries(single_step):
     action_shape = (2,) if single_step else ACTION_SHAPE
     network = make_network((1, 2) if single_step else ACTION_SHAPE)
-    policy = FlowSDEPolicy(network, action_shape=action_shape, num_steps=4)
+    policy = FlowSDEPolicy(
+        network, action_shape=action_shape, options=SamplerOptions(num_denoising_steps=4)
+    )
     empty = TensorDict({"observation": torch.randn(0, OBSERVATION_DIM)}, batch_size=[0])
     with set_exploration_type(RANDOM):
         out = policy(empty.clone())
@@ -434,13 +456,13 @@ PROPERTY_SETTINGS = settings(
 
 @st.composite
 def sampler_settings(draw):
-    num_steps = draw(st.integers(2, 10))
+    num_denoising_steps = draw(st.integers(2, 10))
     mode = draw(st.sampled_from(["mixed", "last", "all"]))
     return {
-        "num_steps": num_steps,
-        "eval_num_steps": draw(st.integers(1, 12)),
+        "num_denoising_steps": num_denoising_steps,
+        "eval_num_denoising_steps": draw(st.integers(1, 12)),
         "sde_mode": mode,
-        "num_sde_steps": draw(st.integers(1, num_steps - 1)),
+        "num_sde_steps": draw(st.integers(1, num_denoising_steps - 1)),
         "noise_level": draw(st.sampled_from([0.0]) | st.floats(0.05, 1.5)),
         "noise_schedule": draw(st.sampled_from(["sqrt", "constant"])),
         "shift": 10 ** draw(st.floats(-1.0, 9.0)),
@@ -454,9 +476,10 @@ def sampler_settings(draw):
 @given(sampler_settings())
 def test_property_log_probs_are_finite_and_fresh_ratios_are_one(options):
     dtype, batch_size = options.pop("dtype"), options.pop("batch_size")
-    network = make_network(options["action_shape"], dtype)
+    action_shape = options.pop("action_shape")
+    network = make_network(action_shape, dtype)
     probability_dtype = flow.probability_dtype(dtype)
-    steps = (options["num_steps"], options["eval_num_steps"])
+    steps = (options["num_denoising_steps"], options["eval_num_denoising_steps"])
     shift = options["shift"]
     grids = [  # the shifted grids in the chain's dtype, computed here, unchecked
         (shift * sigma / (1 + (shift - 1) * sigma)).to(probability_dtype)
@@ -465,11 +488,13 @@ def test_property_log_probs_are_finite_and_fresh_ratios_are_one(options):
     if not all((grid.diff() < 0).all() for grid in grids):
         with pytest.raises(ValueError, match="shift"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the step warning may come first
-            FlowSDEPolicy(network, **options)  # refused, never a silent NaN
+            FlowSDEPolicy(network, action_shape=action_shape, options=SamplerOptions(**options))
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # large steps warn; they must stay finite anyway
-        policy = FlowSDEPolicy(network, **options)
+        policy = FlowSDEPolicy(
+            network, action_shape=action_shape, options=SamplerOptions(**options)
+        )
     data = collect(policy, batch_size)
     assert torch.isfinite(data[CHAIN]).all() and torch.isfinite(data["action_log_prob"]).all()
     out = DenoisingClipPPOLoss(policy)(data)
@@ -482,14 +507,16 @@ def test_property_log_probs_are_finite_and_fresh_ratios_are_one(options):
 
 @PROPERTY_SETTINGS
 @given(
-    num_steps=st.integers(1, 12),
+    num_denoising_steps=st.integers(1, 12),
     shift=st.floats(0.2, 20.0),
     schedule=st.sampled_from(["sqrt", "constant"]),
     shape=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
     dtype=st.sampled_from([torch.float32, torch.float64]),
     seed=st.integers(0, 2**16),
 )
-def test_property_zero_noise_level_is_the_euler_ode(num_steps, shift, schedule, shape, dtype, seed):
+def test_property_zero_noise_level_is_the_euler_ode(
+    num_denoising_steps, shift, schedule, shape, dtype, seed
+):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(shape[-1], shape[-1], generator=generator, dtype=dtype)
     x0 = torch.randn(shape, generator=generator, dtype=dtype)
@@ -497,12 +524,12 @@ def test_property_zero_noise_level_is_the_euler_ode(num_steps, shift, schedule, 
     def velocity(x, sigma):  # a non-linear, sigma-dependent field
         return torch.tanh(x @ weight) * (1 + sigma[:, None, None])
 
-    schedule_zero = flow.sampling_schedule(num_steps, 0.0, shift, schedule, dtype=dtype)
-    mask = torch.rand(shape[0], num_steps, generator=generator) < 0.5
-    noise = torch.randn(shape[0], num_steps, *shape[1:], generator=generator, dtype=dtype)
-    chain, _ = flow.integrate(velocity, x0, schedule_zero, mask, noise)
-    sigmas, x = flow.sigma_grid(num_steps, shift, dtype=dtype), x0
-    for k in range(num_steps):
+    schedule_zero = flow.sampling_schedule(num_denoising_steps, 0.0, shift, schedule, dtype=dtype)
+    mask = torch.rand(shape[0], num_denoising_steps, generator=generator) < 0.5
+    noise = torch.randn(shape[0], num_denoising_steps, *shape[1:], generator=generator, dtype=dtype)
+    chain, _, _ = flow.integrate(velocity, x0, schedule_zero, mask, noise)
+    sigmas, x = flow.sigma_grid(num_denoising_steps, shift, dtype=dtype), x0
+    for k in range(num_denoising_steps):
         x = x + velocity(x, sigmas[k].expand(shape[0])) * (sigmas[k + 1] - sigmas[k])
         torch.testing.assert_close(chain[:, k + 1], x, rtol=0, atol=0)
 

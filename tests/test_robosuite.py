@@ -8,7 +8,12 @@ Covers :mod:`torchrl_flowpolicy.envs.robosuite_tasks` and
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +31,7 @@ from torchrl_flowpolicy.envs.robosuite_experts import (  # noqa: E402
     RobosuiteExpertPolicy,
     collect_robosuite_demos,
 )
+from torchrl_flowpolicy.envs.robosuite_logging import LOG_LEVEL_VARIABLE  # noqa: E402
 from torchrl_flowpolicy.envs.robosuite_tasks import (  # noqa: E402
     CAN_MAX_EPISODE_STEPS,
     DEFAULT_MAX_EPISODE_STEPS,
@@ -34,6 +40,7 @@ from torchrl_flowpolicy.envs.robosuite_tasks import (  # noqa: E402
     make_robosuite_env,
 )
 from torchrl_flowpolicy.envs.tasks import get_task  # noqa: E402
+from torchrl_flowpolicy.protocol import evaluate_expert  # noqa: E402
 
 LIFT = OBSERVATION_SLICES["Lift"]
 CAN = OBSERVATION_SLICES["PickPlaceCan"]
@@ -283,7 +290,15 @@ def can_env() -> RobosuiteGymEnv:
 def test_can_default_horizon_is_the_tasks(can_env):
     assert can_env.max_episode_steps == CAN_MAX_EPISODE_STEPS == 250
     assert RobosuiteGymEnv("Lift").max_episode_steps == DEFAULT_MAX_EPISODE_STEPS == 60
-    assert get_task("can").defaults["max_episode_steps"] == CAN_MAX_EPISODE_STEPS
+    assert get_task("can").max_episode_steps == CAN_MAX_EPISODE_STEPS
+    assert get_task("lift").max_episode_steps == DEFAULT_MAX_EPISODE_STEPS
+
+
+@pytest.mark.parametrize(("task", "horizon"), [("can", 250), ("lift", 60)])
+def test_evaluate_expert_defaults_to_the_tasks_horizon(task, horizon):
+    # Without terminate_on_success an episode lasts the horizon (Pusher's is 150).
+    outcomes = evaluate_expert(1, seed=20_000, task=task, terminate_on_success=False)
+    assert outcomes["length"].tolist() == [horizon] and outcomes["success"].all()
 
 
 def test_can_expert_places_the_can_clean(can_env):
@@ -439,3 +454,51 @@ def test_rendering_is_upright_rgb():
     # Rendering keeps working after resets (no hard reset).
     env.reset(seed=1)
     assert env.render().std() > 10
+
+
+# ----------------------------------------------------------------------------- logging
+def robosuite_records(caplog) -> list[logging.LogRecord]:
+    return [record for record in caplog.records if record.name == "robosuite_logs"]
+
+
+def test_robosuite_logging_is_quiet_unless_asked_for(caplog, monkeypatch):
+    monkeypatch.delenv(LOG_LEVEL_VARIABLE, raising=False)
+    with caplog.at_level(logging.DEBUG):
+        RobosuiteGymEnv("Lift").close()
+    assert robosuite_records(caplog) == []
+    monkeypatch.setenv(LOG_LEVEL_VARIABLE, "INFO")
+    with caplog.at_level(logging.DEBUG):
+        RobosuiteGymEnv("Lift").close()
+    messages = [record.getMessage() for record in robosuite_records(caplog)]
+    assert any("Loading controller configuration" in message for message in messages)
+    monkeypatch.setenv(LOG_LEVEL_VARIABLE, "loud")
+    with pytest.raises(ValueError, match=f"{LOG_LEVEL_VARIABLE}='loud' is not a logging level"):
+        RobosuiteGymEnv("Lift")
+
+
+def test_a_fresh_process_building_lift_envs_prints_nothing_of_robosuites():
+    # robosuite's import warnings and its per-simulator line, in a process of its own.
+    code = (
+        "from torchrl_flowpolicy.envs.robosuite_tasks import make_robosuite_env\n"
+        "make_robosuite_env(2).close()\n"
+        "print('built')\n"
+    )
+    environment = {key: value for key, value in os.environ.items() if key != LOG_LEVEL_VARIABLE}
+    root = str(Path(__file__).resolve().parents[1])
+    environment["PYTHONPATH"] = os.pathsep.join([root, environment.get("PYTHONPATH", "")])
+
+    def run(**extra: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**environment, **extra},
+            timeout=300,
+        )
+        assert result.returncode == 0 and result.stdout.endswith("built\n"), result.stderr
+        return result.stdout + result.stderr
+
+    assert "robosuite" not in run()
+    loud = run(**{LOG_LEVEL_VARIABLE: "INFO"})
+    assert loud.count("Loading controller configuration") == 2  # one per simulator
+    assert "[robosuite WARNING]" in loud  # and its import's warnings

@@ -35,6 +35,7 @@ from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.envs import make_pusher_env
 from torchrl_flowpolicy.networks import MLPVelocityNetwork, ObservationNormalizer
 from torchrl_flowpolicy.protocol import training_seed
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 CHUNK_LENGTH, ACTION_DIM, EXECUTED = 4, 7, 2
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -46,9 +47,8 @@ def make_policy() -> FlowSDEPolicy:
     return FlowSDEPolicy(
         network,
         action_shape=(CHUNK_LENGTH, ACTION_DIM),
-        num_steps=4,
         executed_chunk_length=EXECUTED,
-        sde_mode="all",
+        options=SamplerOptions(num_denoising_steps=4, sde_mode="all"),
     )
 
 
@@ -138,7 +138,9 @@ def example_policy() -> FlowSDEPolicy:
         chunk_length=CHUNK_LENGTH, executed_chunk_length=EXECUTED, model_dim=16, num_layers=1
     )
     normalizer = ObservationNormalizer(torch.zeros(23), torch.ones(23))
-    return build_policy(model_config, normalizer, num_steps=4, sde_mode="all")
+    return build_policy(
+        model_config, normalizer, options=SamplerOptions(num_denoising_steps=4, sde_mode="all")
+    )
 
 
 def leaf_devices(tensordict) -> set[torch.device]:

@@ -14,6 +14,7 @@ from torchrl_flowpolicy.checkpoint import atomic_write, load_checkpoint, save_ch
 from torchrl_flowpolicy.data import make_chunk_dataset
 from torchrl_flowpolicy.evaluation import episode_outcomes
 from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.sampler import SamplerOptions
 
 
 def test_atomic_write_failing_writer_keeps_the_old_file(tmp_path):
@@ -126,7 +127,9 @@ def test_evaluate_policy_is_reproducible_and_keeps_the_callers_rng():
 
     torch.manual_seed(0)
     policy = FlowSDEPolicy(
-        MLPVelocityNetwork(23, (4, 7), hidden_dim=32), action_shape=(4, 7), eval_num_steps=4
+        MLPVelocityNetwork(23, (4, 7), hidden_dim=32),
+        action_shape=(4, 7),
+        options=SamplerOptions(eval_num_denoising_steps=4),
     )
     env = make_chunked_env(
         TransformedEnv(BatchedGymEnv("Pusher-v5", 3, max_episode_steps=8), PusherTask()), 4

@@ -19,6 +19,7 @@ from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.envs import get_task, make_pusher_env
 from torchrl_flowpolicy.evaluation import evaluate_episodes
 from torchrl_flowpolicy.networks import MLPVelocityNetwork, ObservationNormalizer
+from torchrl_flowpolicy.sampler import SamplerOptions
 from torchrl_flowpolicy.video import (
     FAILURE_COLOR,
     SUCCESS_COLOR,
@@ -52,7 +53,10 @@ def tiny_policy(observation_dim: int, executed_chunk_length: int = 4) -> FlowSDE
     torch.manual_seed(0)
     network = MLPVelocityNetwork(observation_dim, (8, 7), hidden_dim=32, num_layers=2)
     return FlowSDEPolicy(
-        network, action_shape=(8, 7), executed_chunk_length=executed_chunk_length, eval_num_steps=4
+        network,
+        action_shape=(8, 7),
+        executed_chunk_length=executed_chunk_length,
+        options=SamplerOptions(eval_num_denoising_steps=4),
     )
 
 
@@ -206,7 +210,7 @@ def test_evaluate_example_writes_one_video_per_checkpoint_and_scale(offscreen_re
         "--eval_episodes", "3",
         "--expert",
         "--max_episode_steps", "8",
-        "--eval_num_steps", "2",
+        "--eval_num_denoising_steps", "2",
         "--video_episodes", "2",
         "--video_size", str(SIZE),
         "--video_dir", str(tmp_path / "videos"),

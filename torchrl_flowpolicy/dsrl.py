@@ -104,7 +104,7 @@ class NoiseActionTransform(Transform):
     ``Bounded(-noise_bound, noise_bound)`` of shape ``[*B, H, D]``, the policy's full initial
     noise ``x_0``. Stepping decodes the noise with the frozen policy's deterministic ODE
     (:meth:`FlowSDEPolicy.decode <torchrl_flowpolicy.FlowSDEPolicy.decode>`,
-    ``eval_num_steps`` Euler steps, ``no_grad``), conditioned on the observation of the same
+    ``eval_num_denoising_steps`` Euler steps, ``no_grad``), conditioned on the observation of the same
     tensordict, and executes the resulting chunk ``[*B, H', D]``.
 
     The executed chunk is written as an observation entry, ``decoded_action_key``: under

@@ -128,7 +128,7 @@ def evaluate_policy(
 
     Seeded as :func:`evaluate_episodes`: use a fixed evaluation seed (one of the
     :mod:`~torchrl_flowpolicy.protocol`'s splits) to compare checkpoints. Under the default DETERMINISTIC exploration a
-    :class:`~torchrl_flowpolicy.FlowSDEPolicy` runs its ODE with ``eval_num_steps`` from
+    :class:`~torchrl_flowpolicy.FlowSDEPolicy` runs its ODE with ``eval_num_denoising_steps`` from
     ``x_0 = eval_noise_scale * N(0, I)``.
 
     Args:
@@ -175,12 +175,15 @@ def decoding(policy: FlowSDEPolicy, name: Decoding) -> Iterator[FlowSDEPolicy]:
     """
     if name not in DECODINGS:
         raise ValueError(f"unknown decoding {name!r}: use one of {list(DECODINGS)}.")
-    previous = policy.eval_noise_scale
-    policy.eval_noise_scale = 1.0 if name == "sampled" else 0.0
+    previous = policy.options
+    wanted = previous.replace(eval_noise_scale=1.0 if name == "sampled" else 0.0)
+    if wanted != previous:  # setting options checks them: only when they change
+        policy.options = wanted
     try:
         yield policy
     finally:
-        policy.eval_noise_scale = previous
+        if policy.options != previous:
+            policy.options = previous
 
 
 def evaluate_decodings(

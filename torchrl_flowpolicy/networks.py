@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torchrl_flowpolicy.flow.noise import bounded_std, bounded_std_logit, check_std_bounds
 
 __all__ = [
+    "check_declared_shape",
     "TimeReversedVelocity",
     "SigmaEmbedding",
     "ObservationNormalizer",
@@ -32,6 +33,31 @@ __all__ = [
     "ActionExpertTransformer",
     "NoiseHead",
 ]
+
+
+def check_declared_shape(network: object, chunk_shape: Sequence[int], name: str) -> None:
+    """Refuse a network whose declared ``action_shape`` is not ``chunk_shape`` ``(H, D)``.
+
+    The reference networks declare the ``action_shape`` they were built for; a mismatch would
+    reshape chunks silently. A single-step network (``H = 1``) may declare ``(D,)``; a network
+    that declares nothing is accepted.
+
+    Examples:
+        >>> check_declared_shape(MLPVelocityNetwork(5, (4, 2)), (4, 2), "velocity_network")
+        >>> check_declared_shape(MLPVelocityNetwork(5, (4, 2)), (8, 2), "velocity_network")
+        Traceback (most recent call last):
+        ...
+        ValueError: velocity_network was built for action_shape (4, 2), but the chunks are (8, 2): it would reshape them silently. Build it with action_shape (8, 2).
+    """
+    declared = getattr(network, "action_shape", None)
+    chunk_shape = tuple(chunk_shape)
+    accepted = {chunk_shape, chunk_shape[1:]} if chunk_shape[0] == 1 else {chunk_shape}
+    if isinstance(declared, Sequence) and tuple(declared) not in accepted:
+        raise ValueError(
+            f"{name} was built for action_shape {tuple(declared)}, but the chunks are "
+            f"{chunk_shape}: it would reshape them silently. Build it with action_shape "
+            f"{chunk_shape}."
+        )
 
 
 class TimeReversedVelocity(nn.Module):

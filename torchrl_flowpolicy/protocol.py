@@ -153,25 +153,31 @@ def evaluate_expert(
         max_envs: at most this many sub-environments; more episodes run in rounds
             (:func:`~torchrl_flowpolicy.evaluation.evaluate_episodes`). Default: the task's
             ``max_eval_envs``.
-        **task_options: the task's environment options (for ``"pusher"``:
-            ``max_episode_steps``, ``success_threshold``, ``reward``).
+        **task_options: the task's environment options
+            (:attr:`~torchrl_flowpolicy.envs.tasks.Task.option_names`); ``max_episode_steps``
+            defaults to the task's horizon
+            (:attr:`~torchrl_flowpolicy.envs.tasks.Task.max_episode_steps`), the others to
+            the environment's defaults.
 
     Returns:
         ``{"return", "success", "length"}``, each ``[num_episodes]``.
     """
     # Imported here: the environments need the simulators (the ``envs`` extra), the rest of
     # this module does not.
-    from torchrl_flowpolicy.envs.pusher import DEFAULT_MAX_EPISODE_STEPS
     from torchrl_flowpolicy.envs.tasks import get_task
 
     spec = get_task(task)
-    max_episode_steps = task_options.get("max_episode_steps", DEFAULT_MAX_EPISODE_STEPS)
+    options = {"max_episode_steps": spec.max_episode_steps, **task_options}
     max_envs = spec.max_eval_envs if max_envs is None else max_envs
-    env = spec.make_env(min(num_episodes, max_envs or num_episodes), None, **task_options)
+    env = spec.make_env(min(num_episodes, max_envs or num_episodes), None, **options)
     try:
         expert = spec.make_expert(env)
         return evaluate_episodes(
-            expert, env, max_decisions=max_episode_steps, seed=seed, num_episodes=num_episodes
+            expert,
+            env,
+            max_decisions=options["max_episode_steps"],
+            seed=seed,
+            num_episodes=num_episodes,
         )
     finally:
         env.close()

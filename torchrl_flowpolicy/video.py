@@ -67,16 +67,6 @@ __all__ = [
 
 VIDEO_FORMATS = (".gif", ".mp4")
 
-# Pusher-v5's default camera shows the table from 4 m away; this one looks down on the arm,
-# the object and the goal from behind the shoulder.
-PUSHER_CAMERA = {
-    "trackbodyid": -1,
-    "distance": 2.0,
-    "elevation": -55.0,
-    "azimuth": 180.0,
-    "lookat": np.array([0.25, -0.25, -0.3]),
-}
-
 SUCCESS_COLOR = (40, 200, 60)
 FAILURE_COLOR = (220, 40, 40)
 
@@ -112,7 +102,8 @@ def render_options(
     task: str, *, height: int = 256, width: int = 256, camera: str | None = None
 ) -> dict[str, Any]:
     """The options of ``get_task(task).make_env`` that make it render ``height x width``
-    frames offscreen.
+    frames offscreen (the task's
+    :attr:`~torchrl_flowpolicy.envs.tasks.Task.render_options`).
 
     Pusher-v5 takes gymnasium MuJoCo's ``width`` / ``height`` / ``camera_name`` (default: a
     view from behind the shoulder); robosuite's
@@ -131,18 +122,10 @@ def render_options(
         >>> render_options("lift", height=128, width=160)
         {'render_mode': 'rgb_array', 'render_height': 128, 'render_width': 160}
     """
-    get_task(task)  # a clear error for an unknown task
+    spec = get_task(task)  # a clear error for an unknown task
     if height < 1 or width < 1:
         raise ValueError(f"height and width must be >= 1, got {height}, {width}.")
-    if task == "pusher":
-        options: dict[str, Any] = {"render_mode": "rgb_array", "height": height, "width": width}
-        if camera is None:
-            options["default_camera_config"] = PUSHER_CAMERA
-    else:
-        options = {"render_mode": "rgb_array", "render_height": height, "render_width": width}
-    if camera is not None:
-        options["camera_name"] = camera
-    return options
+    return spec.render_options(height, width, camera)
 
 
 def make_render_env(

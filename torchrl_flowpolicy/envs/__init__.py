@@ -3,10 +3,12 @@
 The default task is split by concept: :mod:`~torchrl_flowpolicy.envs.pusher` (task facts,
 success test, :class:`PusherTask`, :func:`make_pusher_env`),
 :mod:`~torchrl_flowpolicy.envs.pusher_expert` (the scripted :class:`PusherExpert`) and
-:mod:`~torchrl_flowpolicy.envs.demonstrations` (collecting and caching its demonstrations); :mod:`~torchrl_flowpolicy.envs.tasks` names the tasks the
-examples run (``"pusher"``, robosuite's ``"lift"`` and ``"can"``), whose robosuite parts
-(:mod:`~torchrl_flowpolicy.envs.robosuite_tasks`, :mod:`~torchrl_flowpolicy.envs.robosuite_experts`)
-are imported only when used.
+:mod:`~torchrl_flowpolicy.envs.pusher_demos` (rolling it out into demonstrations).
+:mod:`~torchrl_flowpolicy.envs.tasks` is the registry of the tasks the examples run
+(``"pusher"``, robosuite's ``"lift"`` and ``"can"``): each :class:`Task` holds all that
+differs between them; their robosuite parts (:mod:`~torchrl_flowpolicy.envs.robosuite_tasks`,
+:mod:`~torchrl_flowpolicy.envs.robosuite_experts`) are imported only when used.
+:mod:`~torchrl_flowpolicy.envs.demonstrations` caches any task's demonstrations.
 
 Every name below is imported on first use, from its module: :func:`make_chunked_env`,
 :class:`ChunkedAction`, :class:`ClampAction` and :func:`decision_discount` need TorchRL only,
@@ -26,15 +28,16 @@ if TYPE_CHECKING:
         decision_discount,
         make_chunked_env,
     )
-    from torchrl_flowpolicy.envs.demonstrations import collect_demos, load_or_collect_demos
+    from torchrl_flowpolicy.envs.demonstrations import demos_path, load_or_collect_demos
     from torchrl_flowpolicy.envs.pusher import (
         PusherTask,
         is_success,
         make_pusher_env,
         object_goal_distance,
     )
+    from torchrl_flowpolicy.envs.pusher_demos import collect_demos
     from torchrl_flowpolicy.envs.pusher_expert import PusherExpert, PusherExpertPolicy
-    from torchrl_flowpolicy.envs.tasks import TASKS, Task, get_task
+    from torchrl_flowpolicy.envs.tasks import TASKS, DemoSettings, Task, get_task
 
 # Each public name and the submodule that defines it.
 _SOURCES = {
@@ -43,7 +46,8 @@ _SOURCES = {
     "ClampAction": "chunking",
     "decision_discount": "chunking",
     "make_chunked_env": "chunking",
-    "collect_demos": "demonstrations",
+    "collect_demos": "pusher_demos",
+    "demos_path": "demonstrations",
     "load_or_collect_demos": "demonstrations",
     "PusherTask": "pusher",
     "is_success": "pusher",
@@ -52,6 +56,7 @@ _SOURCES = {
     "PusherExpert": "pusher_expert",
     "PusherExpertPolicy": "pusher_expert",
     "TASKS": "tasks",
+    "DemoSettings": "tasks",
     "Task": "tasks",
     "get_task": "tasks",
 }
@@ -92,10 +97,12 @@ __all__ = [
     "PusherTask",
     "make_pusher_env",
     "collect_demos",
+    "demos_path",
     "load_or_collect_demos",
     "object_goal_distance",
     "is_success",
     "Task",
+    "DemoSettings",
     "TASKS",
     "get_task",
 ]

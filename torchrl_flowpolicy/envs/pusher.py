@@ -56,6 +56,8 @@ __all__ = [
     "is_success",
     "PusherTask",
     "make_pusher_env",
+    "PUSHER_CAMERA",
+    "render_options",
 ]
 
 PUSHER_ENV_ID = "Pusher-v5"
@@ -290,3 +292,32 @@ def make_pusher_env(
     if executed_chunk_length is not None:
         env = make_chunked_env(env, executed_chunk_length)
     return env
+
+
+# ----------------------------------------------------------------------------- rendering
+# Pusher-v5's default camera shows the table from 4 m away; this one looks down on the arm,
+# the object and the goal from behind the shoulder.
+PUSHER_CAMERA = {
+    "trackbodyid": -1,
+    "distance": 2.0,
+    "elevation": -55.0,
+    "azimuth": 180.0,
+    "lookat": np.array([0.25, -0.25, -0.3]),
+}
+
+
+def render_options(height: int, width: int, camera: str | None = None) -> dict[str, Any]:
+    """The options of :func:`make_pusher_env` (gymnasium MuJoCo's) that render
+    ``height x width`` frames offscreen from the named ``camera``, or from
+    :data:`PUSHER_CAMERA` (``camera=None``).
+
+    Examples:
+        >>> sorted(render_options(64, 96))
+        ['default_camera_config', 'height', 'render_mode', 'width']
+    """
+    options: dict[str, Any] = {"render_mode": "rgb_array", "height": height, "width": width}
+    if camera is None:
+        options["default_camera_config"] = PUSHER_CAMERA
+    else:
+        options["camera_name"] = camera
+    return options

@@ -60,6 +60,12 @@ an environment about 1 s the first time in a process, 0.1 s after; an offscreen 
 success rates and episode lengths are in :mod:`~torchrl_flowpolicy.envs.robosuite_experts`:
 the clean experts lift the cube in 24 steps on average (at most 29) and place the can in 96
 (at most 120); uniform random actions never do either.
+
+robosuite's own log (its import's warnings about macros and optional robot models, one
+"Loading controller configuration" per simulator) is quiet: only its errors are shown. Set
+the environment variable ``TORCHRL_FLOWPOLICY_ROBOSUITE_LOG_LEVEL`` to a level name (e.g.
+``INFO`` or ``WARNING``) to see its records from that level up
+(:mod:`~torchrl_flowpolicy.envs.robosuite_logging`; collector processes inherit it).
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ from torchrl.envs.gym_like import BaseInfoDictReader
 
 from torchrl_flowpolicy.envs.batched import BatchedGymEnv
 from torchrl_flowpolicy.envs.chunking import make_chunked_env
+from torchrl_flowpolicy.envs.robosuite_logging import quiet_robosuite_logging
 
 __all__ = [
     "CAN_MAX_EPISODE_STEPS",
@@ -289,6 +296,7 @@ class RobosuiteGymEnv(gym.Env):
                 f"robosuite arguments {reserved} are set by RobosuiteGymEnv; use "
                 f"{[_RESERVED[name] for name in reserved]} instead."
             )
+        quiet_robosuite_logging()
         try:
             import robosuite
         except ImportError as error:  # pragma: no cover - depends on the installation

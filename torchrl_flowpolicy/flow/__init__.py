@@ -31,18 +31,28 @@ The Flow-SDE step is the reverse-time SDE of Song et al. (2021) that shares the 
 the probability-flow ODE, with the noise schedule of Flow-GRPO (Liu et al., 2025) and pi-RL
 (Flow-SDE, Chen et al., 2025); see ``docs/conventions.md`` for the derivation.
 
-Modules: :mod:`~torchrl_flowpolicy.flow.sde` (the grid, the Flow-SDE step, the Gaussian
-log-density, entropy and KL), :mod:`~torchrl_flowpolicy.flow.noise` (the bounded std of the
-learned exploration noise), :mod:`~torchrl_flowpolicy.flow.sampling` (the sampling schedule,
-the one integration loop, the rescoring of stored chains) and
-:mod:`~torchrl_flowpolicy.flow.training` (the flow-matching target). Every name is re-exported here: ``from torchrl_flowpolicy import
-flow; flow.sigma_grid(8)``.
+Modules: :mod:`~torchrl_flowpolicy.flow.sde` (the grid, the Flow-SDE step, the stochastic
+steps), :mod:`~torchrl_flowpolicy.flow.gaussian` (the Gaussian log-density, entropy and KL,
+with an action mask), :mod:`~torchrl_flowpolicy.flow.noise` (the bounded std of the learned
+exploration noise), :mod:`~torchrl_flowpolicy.flow.sampling` (the sampling schedule, the one
+integration loop), :mod:`~torchrl_flowpolicy.flow.rescoring` (the learner's rescoring of
+stored chains) and :mod:`~torchrl_flowpolicy.flow.training` (the flow-matching target).
+Every name is re-exported here: ``from torchrl_flowpolicy import flow; flow.sigma_grid(8)``.
 """
 
-from torchrl_flowpolicy.flow import noise, sampling, sde, training
+from torchrl_flowpolicy.flow import gaussian, noise, rescoring, sampling, sde, training
+from torchrl_flowpolicy.flow.gaussian import *  # noqa: F403
 from torchrl_flowpolicy.flow.noise import *  # noqa: F403
+from torchrl_flowpolicy.flow.rescoring import *  # noqa: F403
 from torchrl_flowpolicy.flow.sampling import *  # noqa: F403
 from torchrl_flowpolicy.flow.sde import *  # noqa: F403
 from torchrl_flowpolicy.flow.training import *  # noqa: F403
 
-__all__ = [*sde.__all__, *noise.__all__, *sampling.__all__, *training.__all__]
+__all__ = [
+    *sde.__all__,
+    *gaussian.__all__,
+    *noise.__all__,
+    *sampling.__all__,
+    *rescoring.__all__,
+    *training.__all__,
+]

@@ -1,14 +1,15 @@
-"""The sampler: one schedule, one integration loop, and the rescoring of a stored chain.
+"""The sampler: one schedule, one integration loop, the log-probs of a sampled chain.
 
 Every step of the mixed ODE/SDE sampler is the same affine update
 ``x_{k+1} = x_coefficient_k * x_k + velocity_coefficient_k * v_k + std_k * xi_k``: a
 stochastic Flow-SDE step uses the coefficients of :func:`~torchrl_flowpolicy.flow.step_coefficients`,
 a deterministic (Euler ODE) step uses ``(1, Delta_k, 0)``. :func:`integrate` runs that loop
-for rollouts, evaluation and DSRL decoding; :func:`stochastic_steps` recomputes the Gaussian
-means of the stored stochastic steps for the learner in one batched velocity call.
+for rollouts, evaluation and DSRL decoding; the learner's rescoring of stored chains is
+:mod:`~torchrl_flowpolicy.flow.rescoring`.
 
-The velocity is a callback ``velocity(x, sigma, ...) -> v`` on tensors: the policy maps it to
-its network, context and dtype, so this module stays free of modules and TensorDicts.
+The velocity is a callback ``velocity(x, sigma, ...) -> v`` on tensors
+(:func:`network_velocity` makes one from a network, its context and dtypes), so this module
+stays free of modules and TensorDicts.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from torchrl_flowpolicy.flow.gaussian import gaussian_log_prob
 from torchrl_flowpolicy.flow.sde import (
     NoiseSchedule,
     SDEMode,
     check_integer,
     check_noise_level,
-    gaussian_log_prob,
+    check_noise_scale,
     sample_sde_mask,
     sigma_grid,
     step_coefficients,
@@ -38,12 +40,10 @@ __all__ = [
     "check_sampler",
     "SamplingSchedule",
     "sampling_schedule",
+    "IntegratedChain",
     "integrate",
     "chain_log_prob",
     "network_velocity",
-    "StochasticSteps",
-    "stochastic_steps",
-    "scatter_steps",
 ]
 
 
@@ -73,43 +73,61 @@ MAX_STEP_X_COEFFICIENT = 1.0
 
 
 def check_sampler(
-    num_steps: int,
+    num_denoising_steps: int,
     noise_level: float,
     sde_mode: SDEMode = "mixed",
     num_sde_steps: int = 4,
     shift: float = 1.0,
     noise_schedule: NoiseSchedule = "sqrt",
     *,
+    eval_num_denoising_steps: int | None = None,
+    rollout_noise_scale: float = 1.0,
+    eval_noise_scale: float = 0.0,
     dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Raise a ``ValueError`` naming the argument when the sampler's parameters are invalid.
+    """Raise a ``ValueError`` naming the argument when the sampler's settings are invalid.
 
-    Checks that ``noise_level`` is finite and ``>= 0``, ``num_steps`` and ``num_sde_steps``
-    are integers that fit ``sde_mode``, ``shift`` is finite and ``> 0`` and the sigma grid is
-    strictly decreasing in ``dtype`` (the chain's dtype). Warns (``UserWarning``) when a step
-    that ``sde_mode`` can make stochastic has ``|x_coefficient| >`` :data:`MAX_STEP_X_COEFFICIENT`
-    (see :func:`~torchrl_flowpolicy.flow.step_coefficients`): such a step overshoots, e.g.
-    ``noise_level=5`` gives ``1 - 5^2 / 2 = -11.5`` at step 1 and actions in the thousands.
+    The arguments are the fields of :class:`~torchrl_flowpolicy.sampler.SamplerOptions`
+    (``check_sampler(**options.to_dict())``). Checks that the noise scales are finite and
+    ``>= 0`` (:func:`~torchrl_flowpolicy.flow.check_noise_scale`), ``noise_level`` is finite
+    and ``>= 0``, ``num_denoising_steps`` and ``num_sde_steps`` are integers that fit
+    ``sde_mode``, ``shift`` is finite and ``> 0`` and the sigma grids (also that of
+    ``eval_num_denoising_steps``, when given) are strictly decreasing in ``dtype`` (the chain's
+    dtype). In ``"mixed"`` mode the check of ``sde_mode`` draws one mask from torch's global
+    generator (:func:`~torchrl_flowpolicy.flow.sample_sde_mask`). Warns (``UserWarning``) when
+    a step that ``sde_mode`` can make stochastic has ``|x_coefficient| >``
+    :data:`MAX_STEP_X_COEFFICIENT` (see :func:`~torchrl_flowpolicy.flow.step_coefficients`):
+    such a step overshoots, e.g. ``noise_level=5`` gives ``1 - 5^2 / 2 = -11.5`` at step 1 and
+    actions in the thousands.
 
     Examples:
         >>> check_sampler(8, 0.5)  # valid: returns None
         >>> check_sampler(1, 0.5, "mixed")
         Traceback (most recent call last):
         ...
-        ValueError: sde_mode='mixed' needs num_steps >= 2 (step 0 is never stochastic), got num_steps=1.
+        ValueError: sde_mode='mixed' needs num_denoising_steps >= 2 (step 0 is never stochastic), got num_denoising_steps=1.
     """
+    check_noise_scale("rollout_noise_scale", rollout_noise_scale)
+    check_noise_scale("eval_noise_scale", eval_noise_scale)
     check_noise_level(noise_level)
     if noise_schedule not in ("sqrt", "constant"):
         raise ValueError(f"noise_schedule must be 'sqrt' or 'constant', got {noise_schedule!r}.")
-    check_integer("num_steps", num_steps, 1)
+    check_integer("num_denoising_steps", num_denoising_steps, 1)
     check_integer("num_sde_steps", num_sde_steps, 1)
-    sample_sde_mask((1,), num_steps, sde_mode, num_sde_steps)  # sde_mode against K and n
-    sigma_grid(num_steps, shift, dtype=dtype)  # shift > 0, strictly decreasing in dtype
+    sample_sde_mask((1,), num_denoising_steps, sde_mode, num_sde_steps)  # sde_mode against K and n
+    sigma_grid(num_denoising_steps, shift, dtype=dtype)  # shift > 0, strictly decreasing in dtype
+    if eval_num_denoising_steps is not None:
+        check_integer("eval_num_denoising_steps", eval_num_denoising_steps, 1)
+        try:  # the shift is valid: only the grid can collapse
+            sigma_grid(eval_num_denoising_steps, shift, dtype=dtype)
+        except ValueError as error:
+            steps = eval_num_denoising_steps
+            raise ValueError(f"eval_num_denoising_steps={steps}: {error}") from None
     if noise_level == 0:
         return
     # Steps that sde_mode can make stochastic (step 0 never is).
-    first = num_steps - num_sde_steps if sde_mode == "last" else 1
-    sigmas = sigma_grid(num_steps, shift, dtype=torch.float64)
+    first = num_denoising_steps - num_sde_steps if sde_mode == "last" else 1
+    sigmas = sigma_grid(num_denoising_steps, shift, dtype=torch.float64)
     x_coefficient = step_coefficients(sigmas, noise_level, noise_schedule)[0][first:]
     worst = int(x_coefficient.abs().argmax())
     coefficient = float(x_coefficient[worst])
@@ -117,11 +135,11 @@ def check_sampler(
         step = first + worst
         warnings.warn(
             f"noise_level={noise_level!r} makes stochastic step {step} (sigma="
-            f"{float(sigmas[step])!r}; num_steps={num_steps}, shift={shift:g}, "
+            f"{float(sigmas[step])!r}; num_denoising_steps={num_denoising_steps}, shift={shift:g}, "
             f"noise_schedule={noise_schedule!r}, sde_mode={sde_mode!r}) multiply x_k by "
             f"{coefficient:.4g} in its mean (|x_coefficient| > {MAX_STEP_X_COEFFICIENT:g}): the "
             f"step overshoots and the actions can explode. Lower noise_level (on a uniform "
-            f"grid step 1 has 1 - noise_level^2 / 2, whatever num_steps) or use "
+            f"grid step 1 has 1 - noise_level^2 / 2, whatever num_denoising_steps) or use "
             f"sde_mode='last'.",
             UserWarning,
             stacklevel=3,
@@ -146,13 +164,13 @@ class SamplingSchedule(NamedTuple):
     step_size: Tensor
 
     @property
-    def num_steps(self) -> int:
+    def num_denoising_steps(self) -> int:
         """``K``."""
         return self.step_size.shape[0]
 
 
 def sampling_schedule(
-    num_steps: int,
+    num_denoising_steps: int,
     noise_level: float,
     shift: float = 1.0,
     noise_schedule: NoiseSchedule = "sqrt",
@@ -170,7 +188,7 @@ def sampling_schedule(
         >>> schedule.sigmas, schedule.step_size
         (tensor([1.0000, 0.7500, 0.5000, 0.2500, 0.0000]), tensor([-0.2500, -0.2500, -0.2500, -0.2500]))
     """
-    sigmas = sigma_grid(num_steps, shift, dtype=dtype, device=device)
+    sigmas = sigma_grid(num_denoising_steps, shift, dtype=dtype, device=device)
     return SamplingSchedule(
         sigmas,
         *step_coefficients(sigmas, noise_level, noise_schedule),
@@ -185,6 +203,22 @@ Velocity = Callable[[Tensor, Tensor], Tensor]
 NoiseStd = Callable[[Tensor, Tensor], Tensor]
 
 
+class IntegratedChain(NamedTuple):
+    """What :func:`integrate` returns, always this one shape.
+
+    Attributes:
+        chain: ``[N, K + 1, H, D]`` the chain ``x_0 .. x_K``.
+        means: ``[N, K, H, D]`` the Gaussian mean of every step (the ODE update at the
+            deterministic ones); ``None`` without an ``sde_mask`` (the plain ODE).
+        step_std: ``[N, K, H, D]`` the learned std of every step, 0 at the deterministic
+            ones; ``None`` without a ``noise_std`` (the schedule's ``std_k`` then applies).
+    """
+
+    chain: Tensor
+    means: Tensor | None
+    step_std: Tensor | None
+
+
 def integrate(
     velocity: Velocity,
     initial_noise: Tensor,
@@ -194,7 +228,7 @@ def integrate(
     *,
     sigma_dtype: torch.dtype | None = None,
     noise_std: NoiseStd | None = None,
-) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor, Tensor]:
+) -> IntegratedChain:
     """Run the mixed ODE/SDE sampler from ``x_0 = initial_noise``.
 
     A stochastic step is ``x_{k+1} = x_coefficient_k x_k + velocity_coefficient_k v_k +
@@ -213,13 +247,12 @@ def integrate(
         noise_std: ``noise_std(x, sigma) -> std``, the per-entry std of the stochastic steps
             (``[N, H, D]`` or broadcastable, > 0), called once per step that has a
             stochastic entry, instead of ``schedule.std``, with ``sigma [N]`` in the chain's
-            dtype (as :func:`stochastic_steps` calls it); needs ``sde_mask``.
+            dtype (as :func:`~torchrl_flowpolicy.flow.stochastic_steps` calls it); needs
+            ``sde_mask``.
 
     Returns:
-        ``(chain [N, K + 1, H, D], means [N, K, H, D])``; ``means`` (the Gaussian mean of every
-        step, the ODE update at deterministic steps) is ``None`` without ``sde_mask``. With
-        ``noise_std``, ``(chain, means, step_std [N, K, H, D])``: the std of every step, 0 at
-        the deterministic ones (as ``torch.unique`` adds its counts when asked).
+        An :class:`IntegratedChain` ``(chain, means, step_std)``; ``means`` is ``None``
+        without ``sde_mask``, ``step_std`` without ``noise_std``.
 
     Raises:
         ValueError: the chain is not finite (the message names the first bad step), or
@@ -227,8 +260,8 @@ def integrate(
 
     Examples:
         >>> schedule = sampling_schedule(4, noise_level=0.0)
-        >>> chain, _ = integrate(lambda x, sigma: torch.ones_like(x), torch.zeros(1, 2, 3), schedule)
-        >>> chain[0, -1, 0]  # x_K = x_0 + sum_k Delta_k * 1
+        >>> ode = integrate(lambda x, sigma: torch.ones_like(x), torch.zeros(1, 2, 3), schedule)
+        >>> ode.chain[0, -1, 0]  # x_K = x_0 + sum_k Delta_k * 1
         tensor([-1., -1., -1.])
 
         A learned std, here 0.5 everywhere, on the Euler mean:
@@ -242,11 +275,14 @@ def integrate(
     """
     if noise_std is not None and sde_mask is None:
         raise ValueError("integrate: noise_std needs an sde_mask (the stochastic steps).")
-    num_steps = schedule.num_steps
+    num_denoising_steps = schedule.num_denoising_steps
     num_decisions = initial_noise.shape[0]
     sigma_dtype = initial_noise.dtype if sigma_dtype is None else sigma_dtype
     sigma_steps = (
-        schedule.sigmas[:-1].to(sigma_dtype)[:, None].expand(num_steps, num_decisions).unbind(0)
+        schedule.sigmas[:-1]
+        .to(sigma_dtype)[:, None]
+        .expand(num_denoising_steps, num_decisions)
+        .unbind(0)
     )
     # Per-step (and, with a mask, per-decision) coefficients, selected once:
     # an ODE step is (1, Delta, 0).
@@ -267,18 +303,20 @@ def integrate(
             noise_steps = None
             step_stochastic = sde_mask.any(0).tolist()
             # In the chain's dtype, as stochastic_steps hands them over when rescoring.
-            noise_sigma_steps = schedule.sigmas[:-1, None].expand(num_steps, num_decisions)
+            noise_sigma_steps = schedule.sigmas[:-1, None].expand(
+                num_denoising_steps, num_decisions
+            )
             stochastic_rows = sde_mask[..., None, None].unbind(1)
             xi_steps = step_noise.unbind(1)
     x_steps = x_coefficient[..., None, None].unbind(1)
     velocity_steps = velocity_coefficient[..., None, None].unbind(1)
     # Preallocated, step-major: chain[k] and means[k] are contiguous blocks that each step
     # writes in place (``out=``); the returned views are [N, K + 1, H, D] and [N, K, H, D].
-    chain = initial_noise.new_empty((num_steps + 1, *initial_noise.shape))
+    chain = initial_noise.new_empty((num_denoising_steps + 1, *initial_noise.shape))
     chain[0] = initial_noise
     means = None if sde_mask is None else torch.empty_like(chain[1:])
     step_std = None if noise_std is None else torch.zeros_like(chain[1:])
-    for step in range(num_steps):
+    for step in range(num_denoising_steps):
         x = chain[step]
         v = velocity(x, sigma_steps[step])
         mean = chain[step + 1] if means is None else means[step]
@@ -308,9 +346,7 @@ def integrate(
             f"(sigma={float(schedule.sigmas[bad]):.4f}): x_{bad + 1} is not finite. Check the "
             f"network's inputs (observation scaling) and its dtype."
         )
-    if step_std is not None:
-        return chain, means.transpose(0, 1), step_std
-    return chain, None if means is None else means.transpose(0, 1)
+    return IntegratedChain(chain, None if means is None else means.transpose(0, 1), step_std)
 
 
 def _check_step_std(step_std: Tensor, sde_mask: Tensor, schedule: SamplingSchedule) -> None:
@@ -329,18 +365,25 @@ def _check_step_std(step_std: Tensor, sde_mask: Tensor, schedule: SamplingSchedu
 
 
 def chain_log_prob(
-    chain: Tensor, means: Tensor, sde_mask: Tensor, std: Tensor, rows: int | None = None
+    chain: Tensor,
+    means: Tensor,
+    sde_mask: Tensor,
+    std: Tensor,
+    rows: int | None = None,
+    action_mask: Tensor | None = None,
 ) -> Tensor:
     """Per-step log-probs ``[N, K]`` of a sampled chain, 0 where the step was deterministic.
 
     ``log N(x_{k+1}; mean_k, diag(std_k^2))`` summed over the leading ``rows`` chunk rows (the
-    executed ones; default all) and the action dimension.
+    executed ones; default all) and the action dimensions that ``action_mask`` keeps.
 
     Args:
         chain: ``[N, K + 1, H, D]``; means: ``[N, K, H, D]`` (from :func:`integrate`);
             sde_mask: ``[N, K]``; std: ``[K]`` the stochastic steps' standard deviations (the
             fixed schedule), or ``[N, K, H, D]`` one per entry (the ``step_std`` of a
-            learned noise, from :func:`integrate`).
+            learned noise, from :func:`integrate`); action_mask: ``[D]`` booleans, ``True``
+            for the real action dimensions (``None``: all), as in
+            :func:`~torchrl_flowpolicy.flow.gaussian_log_prob`.
     """
     rows = chain.shape[-2] if rows is None else rows
     if std.ndim > 1:  # one std per entry
@@ -348,7 +391,9 @@ def chain_log_prob(
         safe_std = torch.where(sde_mask[..., None, None], std, 1.0)
     else:
         safe_std = torch.where(sde_mask, std, 1.0)
-    step_log_prob = gaussian_log_prob(chain[:, 1:, :rows], means[:, :, :rows], safe_std)
+    step_log_prob = gaussian_log_prob(
+        chain[:, 1:, :rows], means[:, :, :rows], safe_std, mask=action_mask
+    )
     return torch.where(sde_mask, step_log_prob, 0.0)
 
 
@@ -359,7 +404,7 @@ def network_velocity(
     dtype: torch.dtype,
     name: str = "velocity_network",
 ) -> Callable[..., Tensor]:
-    """The callback of :func:`integrate` / :func:`stochastic_steps` for ``network(x, sigma, context)``.
+    """The callback of :func:`integrate` and of the rescoring for ``network(x, sigma, context)``.
 
     Returns ``velocity(x, sigma[, decision_index])``: ``x`` and ``sigma`` are cast to
     ``network_dtype``, the velocity back to ``dtype`` (the chain's, float32 or wider) after a
@@ -392,99 +437,3 @@ def network_velocity(
         return v.to(dtype) if cast else v
 
     return velocity
-
-
-class StochasticSteps(NamedTuple):
-    """The Gaussian transitions of the stochastic (decision, step) entries of a batch.
-
-    ``M`` is the number of stochastic entries, in row-major order of the flattened ``[N, K]``
-    mask (the order of ``tensor[mask]``).
-
-    Attributes:
-        decision_index: ``[M]`` index into the flattened batch of decisions.
-        step_index: ``[M]`` denoising step ``k`` of each entry.
-        mean: ``[M, H', D]`` the Gaussian mean ``mu_k`` under the current parameters.
-        std: the standard deviation ``std_k``: ``[M]``, parameter-free, for the fixed
-            schedule; ``[M, H', D]``, one per entry under the current parameters, for a
-            learned noise (``noise_std``).
-        sample: ``[M, H', D]`` the stored ``x_{k+1}``.
-
-    ``H'`` is the number of rows the log-probability covers (the executed rows).
-    """
-
-    decision_index: Tensor
-    step_index: Tensor
-    mean: Tensor
-    std: Tensor
-    sample: Tensor
-
-
-#: ``velocity(x [M, H, D], sigma [M], decision_index [M]) -> v [M, H, D]``; the same
-#: signature, returning the std, for the ``noise_std`` of :func:`stochastic_steps`.
-IndexedVelocity = Callable[[Tensor, Tensor, Tensor], Tensor]
-
-
-def stochastic_steps(
-    velocity: IndexedVelocity,
-    chain: Tensor,
-    sde_mask: Tensor,
-    schedule: SamplingSchedule,
-    rows: int | None = None,
-    noise_std: IndexedVelocity | None = None,
-) -> StochasticSteps:
-    """Recompute the Gaussian transitions of the stochastic steps of stored chains.
-
-    One batched ``velocity`` call over all ``M`` stochastic entries (never a loop over K),
-    and with ``noise_std`` one batched call of it. The gradient reaches the parameters
-    through the means, and with ``noise_std`` through the stds as well.
-
-    Args:
-        velocity: ``velocity(x, sigma, decision_index) -> v``; ``decision_index`` tells the
-            callback which decision's context each entry needs.
-        chain: ``[N, K + 1, H, D]`` the stored ``x_0 .. x_K``.
-        sde_mask: ``[N, K]`` the stored stochastic-step mask.
-        schedule: the sampler's constants, in the chain's dtype.
-        rows: the leading chunk rows the log-probability covers (default: all ``H``).
-        noise_std: ``noise_std(x, sigma, decision_index) -> std [M, H, D]``, the learned
-            per-entry std (:func:`integrate`'s, with the decision index); ``None``: the
-            schedule's ``std_k``.
-
-    Examples:
-        >>> schedule = sampling_schedule(4, noise_level=0.5)
-        >>> chain, mask = torch.randn(2, 5, 3, 1), torch.tensor([[False, True, False, False]] * 2)
-        >>> steps = stochastic_steps(lambda x, sigma, i: torch.zeros_like(x), chain, mask, schedule)
-        >>> steps.mean.shape, steps.step_index.tolist()
-        (torch.Size([2, 3, 1]), [1, 1])
-    """
-    decision_index, step_index = sde_mask.bool().nonzero(as_tuple=True)
-    x = chain[decision_index, step_index]
-    sample = chain[decision_index, step_index + 1]
-    v = velocity(x, schedule.sigmas[step_index], decision_index)
-    mean = (
-        schedule.x_coefficient[step_index, None, None] * x
-        + schedule.velocity_coefficient[step_index, None, None] * v
-    )
-    rows = chain.shape[-2] if rows is None else rows
-    if noise_std is None:
-        std = schedule.std[step_index]
-    else:
-        std = torch.broadcast_to(noise_std(x, schedule.sigmas[step_index], decision_index), x.shape)
-        std = std[:, :rows]
-    return StochasticSteps(decision_index, step_index, mean[:, :rows], std, sample[:, :rows])
-
-
-def scatter_steps(steps: StochasticSteps, values: Tensor, shape: torch.Size) -> Tensor:
-    """Place per-entry ``values [M]`` into a zero tensor of ``shape = [*B, K]``.
-
-    The entries index the flattened ``[prod(B), K]`` grid (:class:`StochasticSteps`).
-
-    Examples:
-        >>> steps = StochasticSteps(torch.tensor([1]), torch.tensor([2]), None, None, None)
-        >>> scatter_steps(steps, torch.tensor([5.0]), torch.Size([2, 3]))
-        tensor([[0., 0., 0.],
-                [0., 0., 5.]])
-    """
-    *batch_shape, num_steps = shape
-    out = values.new_zeros(math.prod(batch_shape), num_steps)  # prod(()) = 1: one decision
-    out = out.index_put((steps.decision_index, steps.step_index), values)
-    return out.reshape(shape)

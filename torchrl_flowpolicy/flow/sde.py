@@ -1,4 +1,4 @@
-"""The Flow-SDE step: sigma grid, diffusion coefficient, Gaussian transition and log-density.
+"""The Flow-SDE step: sigma grid, diffusion coefficient, Gaussian transition, stochastic steps.
 
 Pure tensor functions (see :mod:`torchrl_flowpolicy.flow` for the time convention and the
 symbol table); each is tested against its closed form.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -20,6 +19,7 @@ __all__ = [
     "SIGMA_CLAMP",
     "check_integer",
     "check_noise_level",
+    "check_noise_scale",
     "probability_dtype",
     "sigma_grid",
     "noise_std_scale",
@@ -27,9 +27,6 @@ __all__ = [
     "step_coefficients",
     "ode_step",
     "sde_step",
-    "gaussian_log_prob",
-    "gaussian_entropy",
-    "gaussian_kl",
     "sample_sde_mask",
 ]
 
@@ -46,11 +43,11 @@ def check_integer(name: str, value: object, minimum: int) -> None:
     Python and NumPy integers count; floats (even ``8.0``), booleans and tensors do not.
 
     Examples:
-        >>> check_integer("num_steps", 8, 1)  # valid: returns None
-        >>> check_integer("num_steps", 2.5, 1)
+        >>> check_integer("num_denoising_steps", 8, 1)  # valid: returns None
+        >>> check_integer("num_denoising_steps", 2.5, 1)
         Traceback (most recent call last):
         ...
-        ValueError: num_steps must be an integer >= 1, got 2.5.
+        ValueError: num_denoising_steps must be an integer >= 1, got 2.5.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
@@ -67,6 +64,26 @@ def check_noise_level(noise_level: object) -> None:
         raise ValueError(f"noise_level must be a finite number >= 0, got {noise_level!r}.")
 
 
+def check_noise_scale(name: str, value: object) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` is a finite number ``>= 0``.
+
+    The scale of an initial noise ``x_0`` (``rollout_noise_scale``, ``eval_noise_scale``).
+
+    Examples:
+        >>> check_noise_scale("eval_noise_scale", -1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: eval_noise_scale must be a finite number >= 0, got -1.0.
+    """
+    if not (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    ):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+
+
 def probability_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the probability path for a network running in ``dtype``.
 
@@ -81,7 +98,7 @@ def probability_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def sigma_grid(
-    num_steps: int,
+    num_denoising_steps: int,
     shift: float = 1.0,
     *,
     dtype: torch.dtype = torch.float32,
@@ -94,7 +111,7 @@ def sigma_grid(
     more steps at high noise, as in Stable Diffusion 3 and Fast-WAM).
 
     Args:
-        num_steps: the number of denoising steps ``K`` (an integer >= 1).
+        num_denoising_steps: the number of denoising steps ``K`` (an integer >= 1).
         shift: the shift ``s`` (finite, > 0).
         dtype: dtype of the returned grid.
         device: device of the returned grid.
@@ -103,7 +120,7 @@ def sigma_grid(
         A tensor of shape ``[K + 1]``.
 
     Raises:
-        ValueError: a bad ``num_steps`` or ``shift``, or a grid that is not strictly
+        ValueError: a bad ``num_denoising_steps`` or ``shift``, or a grid that is not strictly
             decreasing in ``dtype`` (a large shift puts ``sigma_1`` within rounding of 1:
             ``shift=1e8`` at ``K = 8`` in float32).
 
@@ -111,10 +128,10 @@ def sigma_grid(
         >>> sigma_grid(4)
         tensor([1.0000, 0.7500, 0.5000, 0.2500, 0.0000])
     """
-    check_integer("num_steps", num_steps, 1)
+    check_integer("num_denoising_steps", num_denoising_steps, 1)
     if not (isinstance(shift, numbers.Real) and math.isfinite(shift) and shift > 0):
         raise ValueError(f"shift must be a finite number > 0 (1.0 means no shift), got {shift!r}.")
-    sigma = 1.0 - torch.arange(num_steps + 1, dtype=torch.float64) / num_steps
+    sigma = 1.0 - torch.arange(num_denoising_steps + 1, dtype=torch.float64) / num_denoising_steps
     sigma = shift * sigma / (1.0 + (shift - 1.0) * sigma)
     grid = sigma.to(dtype=dtype)
     # Two equal levels would make a zero step: std 0, a NaN log-probability.
@@ -122,7 +139,7 @@ def sigma_grid(
     if equal.numel():
         step = int(equal[0])
         raise ValueError(
-            f"shift={shift:g} collapses the sigma grid of num_steps={num_steps} in {dtype}: "
+            f"shift={shift:g} collapses the sigma grid of num_denoising_steps={num_denoising_steps} in {dtype}: "
             f"sigma_{step} and sigma_{step + 1} are both {float(grid[step])!r} (a zero step, "
             f"whose std is 0 and log-probability NaN). Use a smaller shift, fewer steps or a "
             f"wider dtype."
@@ -255,147 +272,9 @@ def sde_step(
     return mean, std
 
 
-def _std_per_entry(std: Tensor, shape: torch.Size, event_dims: int) -> bool:
-    """Whether ``std`` has one value per entry (``True``) or one per event (``False``).
-
-    One per entry: ``std`` has the sample's number of dimensions and broadcasts to ``shape``
-    (a learned noise, ``[..., H, D]``, or ``[..., 1, D]`` shared over the rows). One per event:
-    ``std`` has the batch shape ``shape[:-event_dims]`` (the fixed schedule's ``std_k``).
-    """
-    if std.ndim == len(shape):
-        return True
-    if tuple(std.shape) == tuple(shape[: len(shape) - event_dims]):
-        return False
-    raise ValueError(
-        f"std has shape {tuple(std.shape)}; expected one value per event, "
-        f"{tuple(shape[: len(shape) - event_dims])}, or one per entry, broadcastable to "
-        f"{tuple(shape)}."
-    )
-
-
-def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor, event_dims: int = 2) -> Tensor:
-    """``log N(x; mean, diag(std^2))`` summed over the last ``event_dims`` dimensions.
-
-    Computed in float32 or wider. ``std`` is either one scale per event, with the batch shape
-    of ``x`` minus its event dimensions (the fixed schedule: broadcast over the chunk), or
-    one per entry, with the dimensions of ``x`` (a learned noise, see
-    :mod:`~torchrl_flowpolicy.flow.noise`; size-1 dimensions broadcast).
-
-    Args:
-        x: the sample, ``[..., H, D]`` for the default ``event_dims = 2``.
-        mean: the Gaussian mean, same shape as ``x``.
-        std: the standard deviation (> 0), shape ``x.shape[:-event_dims]`` or broadcastable
-            to ``x.shape`` with ``x.ndim`` dimensions.
-        event_dims: how many trailing dimensions form one event.
-
-    Returns:
-        The log-density, shape ``x.shape[:-event_dims]``.
-
-    Examples:
-        >>> gaussian_log_prob(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor(1.0))
-        tensor(-0.9189)
-        >>> per_entry = torch.tensor([[1.0, 2.0]])  # one std per entry
-        >>> torch.distributions.Normal(0.0, per_entry).log_prob(torch.ones(1, 2)).sum()
-        tensor(-3.1560)
-        >>> gaussian_log_prob(torch.ones(1, 2), torch.zeros(1, 2), per_entry)
-        tensor(-3.1560)
-    """
-    dtype = probability_dtype(x.dtype)
-    x, mean, std = x.to(dtype), mean.to(dtype), std.to(dtype)
-    event_shape = x.shape[x.ndim - event_dims :]
-    num_elements = math.prod(event_shape)
-    if _std_per_entry(std, x.shape, event_dims):
-        std = torch.broadcast_to(std, x.shape)
-        squared = ((x - mean) / std).pow(2).flatten(-event_dims).sum(-1)
-        log_std = std.log().flatten(-event_dims).sum(-1)
-        return -0.5 * squared - log_std - num_elements * 0.5 * math.log(2 * math.pi)
-    std_b = std.reshape(std.shape + (1,) * event_dims)
-    squared = ((x - mean) / std_b).pow(2).flatten(-event_dims).sum(-1)
-    return -0.5 * squared - num_elements * (std.log() + 0.5 * math.log(2 * math.pi))
-
-
-def gaussian_entropy(std: Tensor, shape: Sequence[int], event_dims: int = 2) -> Tensor:
-    """The entropy of ``N(mean, diag(std^2))`` over events of the last ``event_dims`` of ``shape``.
-
-    ``sum over the event's entries of log std + log(2 pi e) / 2``. ``std`` is one scale per
-    event (shape ``shape[:-event_dims]``) or one per entry (``len(shape)`` dimensions,
-    broadcastable to ``shape``), as in :func:`gaussian_log_prob`. Only ``std`` enters: with a
-    learned std this is what an entropy bonus differentiates.
-
-    Args:
-        std: the standard deviation (> 0).
-        shape: the shape of a sample, ``[..., H, D]``.
-        event_dims: how many trailing dimensions form one event.
-
-    Returns:
-        The entropy, shape ``shape[:-event_dims]``, in float32 or wider.
-
-    Examples:
-        >>> std = torch.tensor([[0.5, 2.0]])
-        >>> torch.distributions.Normal(0.0, std).entropy().sum()
-        tensor(2.8379)
-        >>> gaussian_entropy(std, (1, 2))
-        tensor(2.8379)
-    """
-    shape = torch.Size(shape)
-    std = std.to(probability_dtype(std.dtype))
-    constant = 0.5 * math.log(2 * math.pi * math.e)
-    if _std_per_entry(std, shape, event_dims):
-        return (torch.broadcast_to(std, shape).log() + constant).flatten(-event_dims).sum(-1)
-    return math.prod(shape[len(shape) - event_dims :]) * (std.log() + constant)
-
-
-def gaussian_kl(
-    mean: Tensor, std: Tensor, other_mean: Tensor, other_std: Tensor, event_dims: int = 2
-) -> Tensor:
-    """``KL(N(mean, diag(std^2)) || N(other_mean, diag(other_std^2)))``, summed over the event.
-
-    The closed form for two diagonal Gaussians, per entry
-    ``log(s' / s) + (s^2 + (m - m')^2) / (2 s'^2) - 1 / 2``. Each std is one scale per event
-    or one per entry (:func:`gaussian_log_prob`); with the same std per event it reduces to
-    ``||m - m'||^2 / (2 s^2)``, the fixed schedule's KL.
-
-    Args:
-        mean, std: the first Gaussian (``[..., H, D]``; the std as in :func:`gaussian_log_prob`).
-        other_mean, other_std: the second Gaussian, the same shapes.
-        event_dims: how many trailing dimensions form one event.
-
-    Returns:
-        The KL divergence, shape ``mean.shape[:-event_dims]``, in float32 or wider.
-
-    Examples:
-        >>> p, q = torch.distributions.Normal(0.0, 1.0), torch.distributions.Normal(1.0, 2.0)
-        >>> torch.distributions.kl_divergence(p, q)
-        tensor(0.4431)
-        >>> gaussian_kl(torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), torch.full((1, 1), 2.0))
-        tensor(0.4431)
-    """
-    dtype = probability_dtype(mean.dtype)
-    mean, other_mean = mean.to(dtype), other_mean.to(dtype)
-    std, other_std = std.to(dtype), other_std.to(dtype)
-    shape = mean.shape
-    squared = (mean - other_mean).pow(2)
-    per_entry = _std_per_entry(std, shape, event_dims)
-    other_per_entry = _std_per_entry(other_std, shape, event_dims)
-    if not (per_entry or other_per_entry):
-        # One scale per event on both sides: sum the n equal terms in closed form.
-        num_elements = math.prod(shape[len(shape) - event_dims :])
-        variance, other_variance = std.pow(2), other_std.pow(2)
-        scale = (other_std / std).log() + variance / (2 * other_variance) - 0.5
-        return num_elements * scale + squared.flatten(-event_dims).sum(-1) / (2 * other_variance)
-    expand = [
-        torch.broadcast_to(s if entry else s.reshape(s.shape + (1,) * event_dims), shape)
-        for s, entry in ((std, per_entry), (other_std, other_per_entry))
-    ]
-    std, other_std = expand
-    other_variance = other_std.pow(2)
-    kl = (other_std / std).log() + (std.pow(2) + squared) / (2 * other_variance) - 0.5
-    return kl.flatten(-event_dims).sum(-1)
-
-
 def sample_sde_mask(
     batch_shape: tuple[int, ...] | torch.Size,
-    num_steps: int,
+    num_denoising_steps: int,
     mode: SDEMode = "mixed",
     num_sde_steps: int = 4,
     *,
@@ -416,29 +295,31 @@ def sample_sde_mask(
         tensor([[False,  True,  True,  True],
                 [False,  True,  True,  True]])
     """
-    check_integer("num_steps", num_steps, 1)
-    shape = tuple(batch_shape) + (num_steps,)
-    steps = torch.arange(num_steps, device=device)
+    check_integer("num_denoising_steps", num_denoising_steps, 1)
+    shape = tuple(batch_shape) + (num_denoising_steps,)
+    steps = torch.arange(num_denoising_steps, device=device)
     if mode == "mixed":
-        if num_steps < 2:
+        if num_denoising_steps < 2:
             raise ValueError(
-                f"sde_mode='mixed' needs num_steps >= 2 (step 0 is never stochastic), "
-                f"got num_steps={num_steps}."
+                f"sde_mode='mixed' needs num_denoising_steps >= 2 (step 0 is never stochastic), "
+                f"got num_denoising_steps={num_denoising_steps}."
             )
         chosen = torch.randint(
-            1, num_steps, tuple(batch_shape) + (1,), device=device, generator=generator
+            1, num_denoising_steps, tuple(batch_shape) + (1,), device=device, generator=generator
         )
         return steps == chosen
     if mode == "last":
         check_integer("num_sde_steps", num_sde_steps, 1)
-        if not 1 <= num_sde_steps <= num_steps - 1:
+        if not 1 <= num_sde_steps <= num_denoising_steps - 1:
             raise ValueError(
-                f"sde_mode='last' needs 1 <= num_sde_steps <= num_steps - 1 (step 0 is never "
-                f"stochastic), got num_sde_steps={num_sde_steps}, num_steps={num_steps}."
+                f"sde_mode='last' needs 1 <= num_sde_steps <= num_denoising_steps - 1 (step 0 is never "
+                f"stochastic), got num_sde_steps={num_sde_steps}, num_denoising_steps={num_denoising_steps}."
             )
-        return (steps >= num_steps - num_sde_steps).expand(shape)
+        return (steps >= num_denoising_steps - num_sde_steps).expand(shape)
     if mode == "all":
-        if num_steps < 2:
-            raise ValueError(f"sde_mode='all' needs num_steps >= 2, got {num_steps}.")
+        if num_denoising_steps < 2:
+            raise ValueError(
+                f"sde_mode='all' needs num_denoising_steps >= 2, got {num_denoising_steps}."
+            )
         return (steps >= 1).expand(shape)
     raise ValueError(f"sde_mode must be 'mixed', 'last' or 'all', got {mode!r}.")

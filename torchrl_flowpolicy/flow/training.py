@@ -71,24 +71,43 @@ def sample_training_sigma(
 
 
 def flow_matching_error(
-    predicted_velocity: Tensor, action: Tensor, noise: Tensor, row_mask: Tensor | None = None
+    predicted_velocity: Tensor,
+    action: Tensor,
+    noise: Tensor,
+    row_mask: Tensor | None = None,
+    action_mask: Tensor | None = None,
 ) -> Tensor:
     """Per-sample flow-matching error ``mean ||v_pred - (noise - action)||^2``.
 
-    The squared error is averaged over the action dimension and the valid chunk rows.
+    The squared error is averaged over the (real) action dimensions and the valid chunk rows.
 
     Args:
         predicted_velocity: ``[N, H, D]``.
         action: the target chunk, ``[N, H, D]``.
         noise: the noise it was interpolated with, ``[N, H, D]``.
         row_mask: ``[N, H]`` booleans, ``True`` for real (non-padding) rows; ``None``: all.
+        action_mask: ``[D]`` booleans, ``True`` for the real action dimensions (padded ones
+            are not trained, whatever they hold); ``None``: all.
 
     Returns:
         ``[N]``; 0 for a sample without valid rows.
+
+    Examples:
+        >>> target = torch.zeros(1, 1, 2)
+        >>> flow_matching_error(torch.tensor([[[1.0, 5.0]]]), target, target)
+        tensor([13.])
+        >>> flow_matching_error(
+        ...     torch.tensor([[[1.0, 5.0]]]), target, target, action_mask=torch.tensor([True, False])
+        ... )
+        tensor([1.])
     """
     dtype = probability_dtype(predicted_velocity.dtype)
     error = (predicted_velocity.to(dtype) - velocity_target(action, noise).to(dtype)).pow(2)
-    error = error.mean(-1)
+    if action_mask is None:
+        error = error.mean(-1)
+    else:
+        real = action_mask.to(error.device)
+        error = torch.where(real, error, 0.0).sum(-1) / real.sum().clamp_min(1)
     if row_mask is None:
         return error.mean(-1)
     row_mask = row_mask.to(dtype)

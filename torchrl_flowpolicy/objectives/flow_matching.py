@@ -14,7 +14,12 @@ from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.flow import SigmaDistribution
 from torchrl_flowpolicy.policy import FlowSDEPolicy
 
-__all__ = ["FlowMatchingLoss", "flow_matching_per_sample", "self_imitation_error"]
+__all__ = [
+    "FlowMatchingLoss",
+    "flow_matching_per_sample",
+    "reduce_self_imitation",
+    "self_imitation_error",
+]
 
 
 def flow_matching_per_sample(
@@ -31,7 +36,7 @@ def flow_matching_per_sample(
     Draws ``sigma`` (from ``sigma_distribution``) and ``noise ~ N(0, I)``, forms
     ``x = (1 - sigma) A + sigma noise`` and regresses ``v(x, sigma, context)`` on
     ``noise - A`` (Lipman et al., 2023; Liu et al., 2023), averaged over the action dimension
-    and the valid rows. A target with fewer rows than the policy's chunk (the executed rows
+    and the valid rows (and the real action dimensions of the policy's ``action_mask``). A target with fewer rows than the policy's chunk (the executed rows
     of a rollout) is zero-padded to ``H`` and its missing rows are masked out. A single-step
     policy (``action_shape = (D,)``) takes targets ``[*B, D]`` (one row).
 
@@ -72,7 +77,8 @@ def flow_matching_per_sample(
             f"the target action has {rows} rows, more than the policy's chunk length "
             f"{chunk_length}; nothing is truncated silently: slice it first."
         )
-    dtype = flow.probability_dtype(policy.network_dtype)
+    sampler = policy.sampler
+    dtype = sampler.dtype
     action = action.reshape(-1, rows, action_dim).to(dtype)
     num_decisions = action.shape[0]
     valid = torch.ones(num_decisions, rows, dtype=torch.bool, device=action.device)
@@ -90,9 +96,10 @@ def flow_matching_per_sample(
     )
     x = flow.interpolate(action, noise, sigma)
     context = policy.context(tensordict, grad=context_grad)
-    network_dtype = policy.network_dtype
-    velocity = policy.velocity_network(x.to(network_dtype), sigma.to(network_dtype), context)
-    error = flow.flow_matching_error(velocity, action, noise, valid)
+    velocity = flow.network_velocity(
+        sampler.velocity_network, context, sampler.network_dtype, dtype
+    )
+    error = flow.flow_matching_error(velocity(x, sigma), action, noise, valid, sampler.action_mask)
     return error.reshape(batch_shape)
 
 
@@ -136,6 +143,24 @@ def self_imitation_error(
         context_grad=context_grad,
     )
     return error, success
+
+
+def reduce_self_imitation(error: Tensor, success: Tensor, reduction: str) -> Tensor:
+    """Reduce :func:`self_imitation_error`'s ``error [S]`` with a loss's ``reduction``.
+
+    ``"none"``: one value per decision ``[*B]``, zero where not successful; ``"mean"`` /
+    ``"sum"`` over the ``S`` successful decisions (0 when there is none).
+
+    Examples:
+        >>> success = torch.tensor([True, False, True])
+        >>> reduce_self_imitation(torch.tensor([1.0, 3.0]), success, "none")
+        tensor([1., 0., 3.])
+    """
+    if reduction == "none":
+        return error.new_zeros(success.shape).masked_scatter(success, error)
+    if error.numel() == 0:
+        return error.new_zeros(())
+    return error.mean() if reduction == "mean" else error.sum()
 
 
 class FlowMatchingLoss(LossModule):
