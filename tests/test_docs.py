@@ -1,6 +1,7 @@
 """The documentation's code runs: docstring examples, page code blocks, API page targets.
 
-* Every ``Example:`` in the package's docstrings is run as a doctest.
+* Every ``Example:`` in the package's docstrings is run as a doctest (a module's
+  ``__doctest_requires__`` names the optional packages its examples need: skipped without them).
 * Every fenced ``python`` block of ``README.md`` and of the pages in ``docs/`` is run, the
   blocks of one page in order in one namespace (a page opts out with the line
   ``<!-- docs-test: skip -->``; illustrative snippets that should not run use another fence
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import pkgutil
 import re
 from pathlib import Path
@@ -49,6 +51,9 @@ def import_or_skip(name: str):
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
     module = import_or_skip(name)
+    for requirement in getattr(module, "__doctest_requires__", ()):
+        if importlib.util.find_spec(requirement) is None:
+            pytest.skip(f"the examples of {name} need the optional package {requirement!r}")
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=flags)

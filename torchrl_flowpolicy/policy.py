@@ -79,9 +79,13 @@ class FlowSDEPolicy(TensorDictModuleBase):
     Keyword Args:
         action_shape: ``(H, D)``, the chunk shape; or ``(D,)``, a single-step policy.
         in_keys: observation keys read from the tensordict.
-        encoder, noise_head, options, executed_chunk_length, action_mask, network_dtype: those
-            of :class:`~torchrl_flowpolicy.sampler.FlowSampler` (``options``: a
-            :class:`~torchrl_flowpolicy.sampler.SamplerOptions`, the one route for settings).
+        encoder: as for :class:`~torchrl_flowpolicy.sampler.FlowSampler`.
+        noise_head: as for :class:`~torchrl_flowpolicy.sampler.FlowSampler`.
+        options: a :class:`~torchrl_flowpolicy.sampler.SamplerOptions`, the one route for
+            settings.
+        executed_chunk_length: as for :class:`~torchrl_flowpolicy.sampler.FlowSampler`.
+        action_mask: as for :class:`~torchrl_flowpolicy.sampler.FlowSampler`.
+        network_dtype: as for :class:`~torchrl_flowpolicy.sampler.FlowSampler`.
         default_interaction_type: the mode outside an exploration context; RANDOM, as TorchRL's
             PPO actors (a collector that probes the policy then sees the chain).
 

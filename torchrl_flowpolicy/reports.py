@@ -165,6 +165,7 @@ def held_out_protocol(
     rl_env: EnvBase | None = None,
     name: str = "RL",
     device: torch.device | str | None = None,
+    env: EnvBase | None = None,
 ) -> dict[str, Any]:
     """The evaluation protocol on ``config.held_out_episodes`` held-out episodes.
 
@@ -174,11 +175,14 @@ def held_out_protocol(
     ``rl_env`` is RL's environment with as many sub-environments as :func:`make_eval_env`
     gives (default: the chunked task, as BC's). ``"line"`` holds
     :func:`~torchrl_flowpolicy.protocol.format_protocol`'s sentence about ``name``.
-    ``device``: the policies' device (that of BC's environment).
+    ``device``: the policies' device (that of BC's environment). ``env``: BC's environment
+    (default: :func:`make_eval_env`'s; one passed here is the caller's to close).
     """
     seed = split_seed("held_out", config.held_out_episodes)
     max_decisions = decisions_per_episode(config.max_episode_steps, executed_chunk_length)
-    env = make_eval_env(config, config.held_out_episodes, executed_chunk_length, device)
+    own_env = env is None
+    if own_env:
+        env = make_eval_env(config, config.held_out_episodes, executed_chunk_length, device)
     options = {
         "max_decisions": max_decisions,
         "seed": seed,
@@ -186,7 +190,8 @@ def held_out_protocol(
     }
     bc = evaluate_decodings(bc_policy, env, **options)
     rl = evaluate_decodings(rl_policy, env if rl_env is None else rl_env, **options)
-    env.close()
+    if own_env:
+        env.close()
     expert = evaluate_task_expert(config, config.held_out_episodes, seed)
     summary = protocol_summary(bc, rl, expert, reported_decoding=config.reported_decoding)
     return {"split": "held_out", "seed": seed, "line": format_protocol(summary, name), **summary}

@@ -150,7 +150,9 @@ def make_render_env(
         executed_chunk_length: ``H'`` actions per decision, or ``None`` for one per step.
 
     Keyword Args:
-        height, width, camera: as for :func:`render_options`.
+        height: as for :func:`render_options`.
+        width: as for :func:`render_options`.
+        camera: as for :func:`render_options`.
         **task_options: the task's options (e.g. ``max_episode_steps``).
     """
     options = render_options(task, height=height, width=width, camera=camera)

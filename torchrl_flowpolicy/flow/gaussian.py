@@ -202,8 +202,10 @@ def gaussian_kl(
     ``||m - m'||^2 / (2 s^2)``, the fixed schedule's KL.
 
     Args:
-        mean, std: the first Gaussian (``[..., H, D]``; the std as in :func:`gaussian_log_prob`).
-        other_mean, other_std: the second Gaussian, the same shapes.
+        mean: the first Gaussian's mean (``[..., H, D]``).
+        std: its std (as in :func:`gaussian_log_prob`).
+        other_mean: the second Gaussian's mean, the same shape.
+        other_std: its std, as ``std``.
         event_dims: how many trailing dimensions form one event.
         mask: booleans broadcastable to ``mean.shape``, ``True`` for the entries that count
             (``None``: all).
