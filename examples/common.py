@@ -38,8 +38,9 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from torchrl_flowpolicy import flow, runs
+from torchrl_flowpolicy import runs
 from torchrl_flowpolicy.envs import TASKS
+from torchrl_flowpolicy.sampler import check_options
 from torchrl_flowpolicy.sampler_options import SamplerOptions
 
 Config = TypeVar("Config")
@@ -130,17 +131,12 @@ def check_run_config(config: Any) -> torch.device:
     Raises:
         ValueError: options out of bounds or contradicting each other
             (:func:`validate_config`), ``--sampler.*`` settings the sampler refuses
-            (:func:`~torchrl_flowpolicy.flow.check_sampler`, the sampler's own check, run
-            here with the random streams left as they were), an unavailable ``--device``.
+            (:func:`~torchrl_flowpolicy.sampler.check_options`), an unavailable ``--device``.
         FileNotFoundError: ``--resume`` without a checkpoint in ``output_dir``.
     """
     validate_config(config)
     if isinstance(getattr(config, "sampler", None), SamplerOptions):
-        with torch.random.fork_rng(devices=[]):  # the check may draw from torch's generator
-            try:
-                flow.check_sampler(**config.sampler.to_dict())
-            except ValueError as error:
-                raise ValueError(f"--sampler.*: {error}") from None
+        check_options(config.sampler, "--sampler.*")
     device = runs.resolve_device(config.device)
     if config.resume:
         runs.require_run_checkpoint(Path(config.output_dir) / "checkpoint.pt")
@@ -286,35 +282,3 @@ class TaskOptions:
         "robosuite's shaped reward",
     )
     terminate_on_success: bool = option(True, "lift, can: the episode ends at the first success")
-
-
-def task_defaults(
-    script: Literal["pretrain", "ppo", "dsrl", "evaluate"],
-) -> dict[str, dict[str, Any]]:
-    """What ``--task NAME`` changes in ``examples/<script>.py``'s config, all read from the
-    task's registry entry (:class:`~torchrl_flowpolicy.envs.tasks.Task`): its environment
-    options (``defaults``), its demonstrations (``demos``: pretrain's ``demo_*``, the
-    ``pretrain.demo_*`` of a fine-tuning run, which pretrains when its checkpoint is
-    missing), its default paths (``output_dir``, ``pretrained_checkpoint``) and its
-    ``run_defaults[script]``."""
-    defaults = {}
-    for name, task in TASKS.items():
-        demos = {
-            "demo_episodes": task.demos.num_episodes,
-            "demo_action_noise": task.demos.action_noise,
-        }
-        if script == "pretrain":
-            paths = {"output_dir": task.output_dir("pretrain"), **demos}
-        elif script == "evaluate":
-            paths = {
-                "checkpoints": task.pretrained_checkpoint,
-                "output_json": f"{task.output_dir('evaluation')}.json",
-            }
-        else:
-            paths = {
-                "output_dir": task.output_dir(script),
-                "pretrained_checkpoint": task.pretrained_checkpoint,
-                **{f"pretrain.{option}": value for option, value in demos.items()},
-            }
-        defaults[name] = {**task.defaults, **paths, **task.run_defaults.get(script, {})}
-    return defaults

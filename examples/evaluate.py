@@ -56,6 +56,7 @@ from tqdm import tqdm
 
 from torchrl_flowpolicy.dsrl import NoiseActionTransform
 from torchrl_flowpolicy.envs import get_task
+from torchrl_flowpolicy.envs.tasks import script_defaults
 from torchrl_flowpolicy.evaluation import evaluate_decodings, evaluate_episodes
 from torchrl_flowpolicy.models import SavedPolicy, load_policy_checkpoint
 from torchrl_flowpolicy.protocol import (
@@ -73,7 +74,7 @@ from torchrl_flowpolicy.reports import (
 from torchrl_flowpolicy.runs import write_json
 from torchrl_flowpolicy.video import make_render_env, record_episodes
 
-from common import TaskOptions, option, parse_config, task_defaults
+from common import TaskOptions, option, parse_config
 
 
 @dataclass
@@ -277,4 +278,6 @@ def main(config: EvaluateConfig) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(parse_config(EvaluateConfig, description=__doc__, task_defaults=task_defaults("evaluate")))
+    main(
+        parse_config(EvaluateConfig, description=__doc__, task_defaults=script_defaults("evaluate"))
+    )

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from torchrl_flowpolicy import FlowSDEPolicy, distributed
 from torchrl_flowpolicy.data import make_chunk_dataset
 from torchrl_flowpolicy.envs import get_task, load_or_collect_demos
+from torchrl_flowpolicy.envs.tasks import script_defaults
 from torchrl_flowpolicy.evaluation import evaluate_policy
 from torchrl_flowpolicy.models import (
     TASK_MODEL_FIELDS,
@@ -39,7 +40,7 @@ from torchrl_flowpolicy.reports import decisions_per_episode, make_eval_env, tas
 from torchrl_flowpolicy.runs import write_json
 from torchrl_flowpolicy.sampler import SamplerOptions
 
-from common import Config, TaskOptions, option, parse_config, task_defaults, validate_config
+from common import Config, TaskOptions, option, parse_config, validate_config
 
 
 @dataclass
@@ -151,7 +152,7 @@ def parse_run_args(
 ) -> Config:
     """The command line of a fine-tuning script (``--help``) as its ``config_class``:
     :func:`~common.parse_config` with the task's defaults for ``script``
-    (:func:`~common.task_defaults`, read from ``envs.tasks.TASKS``) and ``--quick``; the
+    (:func:`~torchrl_flowpolicy.envs.tasks.script_defaults`, read from ``envs.tasks.TASKS``) and ``--quick``; the
     pretraining options that :func:`config_for_run` takes from the run are left off."""
     exclude = [f"pretrain.{name}" for name in (*RUN_SETTINGS, *EXCLUDE)]
     return parse_config(
@@ -159,7 +160,7 @@ def parse_run_args(
         argv,
         description=description,
         quick=quick,
-        task_defaults=task_defaults(script),
+        task_defaults=script_defaults(script),
         exclude=exclude,
     )
 
@@ -283,7 +284,7 @@ if __name__ == "__main__":
         parse_config(
             PretrainConfig,
             description=__doc__,
-            task_defaults=task_defaults("pretrain"),
+            task_defaults=script_defaults("pretrain"),
             exclude=EXCLUDE,
         )
     )

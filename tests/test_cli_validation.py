@@ -11,6 +11,7 @@ import pytest
 from conftest import load_example
 
 from torchrl_flowpolicy import reports
+from torchrl_flowpolicy.envs import tasks
 from torchrl_flowpolicy.models import ModelConfig, build_policy, save_policy
 from torchrl_flowpolicy.runs import IMPLIED_IDENTITY, load_run, run_identity, save_run
 
@@ -417,7 +418,7 @@ def test_lift_defaults_are_the_fine_tuning_recipe(example):
     ppo = example("ppo")
     pretrain = example("pretrain")
     common = example("common")
-    parse_config, task_defaults = common.parse_config, common.task_defaults
+    parse_config, script_defaults = common.parse_config, tasks.script_defaults
 
     config = ppo.parse_args(["--task", "lift"])
     recipe = (48, 360, 1.0, 1e-4, 600_000, 200, 25, 0.3)
@@ -436,7 +437,7 @@ def test_lift_defaults_are_the_fine_tuning_recipe(example):
     standalone = parse_config(
         pretrain.PretrainConfig,
         ["--task", "lift"],
-        task_defaults=task_defaults("pretrain"),
+        task_defaults=script_defaults("pretrain"),
         exclude=pretrain.EXCLUDE,
     )
     assert standalone.demo_episodes == 25

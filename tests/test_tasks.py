@@ -18,7 +18,7 @@ import torch
 from conftest import load_example
 
 from torchrl_flowpolicy.envs import load_or_collect_demos
-from torchrl_flowpolicy.envs.tasks import TASKS, DemoSettings, Task, get_task
+from torchrl_flowpolicy.envs.tasks import TASKS, DemoSettings, Task, get_task, script_defaults
 from torchrl_flowpolicy.models import (
     ModelConfig,
     build_policy,
@@ -120,8 +120,6 @@ def test_evaluate_expert_runs_the_tasks_own_horizon(short_task):
 def test_a_task_added_to_the_registry_reaches_demos_defaults_and_rendering(
     short_task, tmp_path, examples_on_path
 ):
-    from common import task_defaults
-
     demos, path, loaded = load_or_collect_demos(1, 0.0, task="short", directory=tmp_path)
     assert not loaded and path.name == "short_T6_action_noise0_n1_seed0.pt"
     assert demos["observation"].shape == (6, 23) and demos["config"]["task"] == "short"
@@ -132,13 +130,13 @@ def test_a_task_added_to_the_registry_reaches_demos_defaults_and_rendering(
     with pytest.raises(ValueError, match=r"takes the options .*not \['terminate_on_success'\]"):
         load_or_collect_demos(1, 0.0, task="short", terminate_on_success=True)
 
-    ppo = task_defaults("ppo")["short"]
+    ppo = script_defaults("ppo")["short"]
     assert ppo["max_episode_steps"] == 6 and ppo["num_envs"] == 3
     assert ppo["output_dir"] == "outputs/ppo_short"
     assert ppo["pretrained_checkpoint"] == "outputs/pretrain_short/policy.pt"
     assert ppo["pretrain.demo_episodes"] == 2
-    assert task_defaults("pretrain")["short"]["output_dir"] == "outputs/pretrain_short"
-    assert "num_envs" not in task_defaults("dsrl")["short"]  # ppo's own defaults only
+    assert script_defaults("pretrain")["short"]["output_dir"] == "outputs/pretrain_short"
+    assert "num_envs" not in script_defaults("dsrl")["short"]  # ppo's own defaults only
     assert render_options("short", height=8, width=8) == render_options("pusher", height=8, width=8)
 
 
@@ -148,13 +146,13 @@ def _script_config(script: str, argv: list[str]):
     module = importlib.import_module(script)
     if hasattr(module, "parse_args"):
         return module.parse_args(argv)
-    from common import parse_config, task_defaults
+    from common import parse_config
 
     config_class = {"pretrain": "PretrainConfig", "evaluate": "EvaluateConfig"}[script]
     return parse_config(
         getattr(module, config_class),
         argv,
-        task_defaults=task_defaults(script),
+        task_defaults=script_defaults(script),
         exclude=getattr(module, "EXCLUDE", ()),
     )
 
@@ -167,9 +165,8 @@ def _option(config, name: str):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_task_defaults_name_real_options_and_reach_the_config(script, examples_on_path):
-    from common import task_defaults
 
-    for name, values in task_defaults(script).items():
+    for name, values in script_defaults(script).items():
         config = _script_config(script, ["--task", name])
         for option, value in values.items():
             target = config
@@ -183,11 +180,10 @@ def test_task_defaults_name_real_options_and_reach_the_config(script, examples_o
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_the_configs_own_defaults_are_the_default_tasks(script, examples_on_path):
     # A config built in code (no --task) starts from the default task's registry values.
-    from common import task_defaults
 
     names = {"pretrain": "Pretrain", "ppo": "PPO", "dsrl": "DSRL", "evaluate": "Evaluate"}
     config = getattr(importlib.import_module(script), f"{names[script]}Config")()
-    for option, value in task_defaults(script)[config.task].items():
+    for option, value in script_defaults(script)[config.task].items():
         assert _option(config, option) == value, (script, option)
 
 

@@ -23,7 +23,14 @@ from torchrl_flowpolicy.flow import SamplingSchedule, StochasticSteps
 from torchrl_flowpolicy.networks import check_declared_shape
 from torchrl_flowpolicy.sampler_options import SamplerOptions
 
-__all__ = ["SamplerOptions", "SampledChain", "FlowSampler", "KLEstimator", "parameter_dtype"]
+__all__ = [
+    "SamplerOptions",
+    "SampledChain",
+    "FlowSampler",
+    "KLEstimator",
+    "check_options",
+    "parameter_dtype",
+]
 
 #: A per-decision context: the encoder's output, or the observation(s).
 Context = Tensor | tuple[Tensor, ...]
@@ -40,6 +47,17 @@ def parameter_dtype(module: object) -> torch.dtype:
         if parameter.is_floating_point():
             return parameter.dtype
     return torch.float32
+
+
+def check_options(options: SamplerOptions, name: str = "options") -> None:
+    """The sampler's check of ``options`` (:func:`flow.check_sampler`, float32 grids), for a
+    command line that refuses bad settings before any work: random streams left as they were
+    (the check may draw from torch's generator), a ``ValueError`` starting with ``name``."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            flow.check_sampler(**options.to_dict())
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
 
 
 def _context_device(context: object) -> torch.device | None:

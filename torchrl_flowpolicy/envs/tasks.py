@@ -34,7 +34,7 @@ import functools
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from tensordict.nn import TensorDictModuleBase
 from torchrl.envs import EnvBase
@@ -48,7 +48,7 @@ from torchrl_flowpolicy.envs.pusher import (
 from torchrl_flowpolicy.envs.pusher_demos import collect_task_demos, rescore_success
 from torchrl_flowpolicy.envs.pusher_expert import PusherExpertPolicy
 
-__all__ = ["DemoSettings", "Task", "TASKS", "get_task"]
+__all__ = ["DemoSettings", "Task", "TASKS", "get_task", "script_defaults"]
 
 
 @dataclass(frozen=True)
@@ -389,3 +389,35 @@ def get_task(name: str) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}: use one of {sorted(TASKS)}.")
     return TASKS[name]
+
+
+def script_defaults(
+    script: Literal["pretrain", "ppo", "dsrl", "evaluate"],
+) -> dict[str, dict[str, Any]]:
+    """What ``--task NAME`` changes in the config of ``examples/<script>.py``, all read from the
+    task's registry entry (:class:`~torchrl_flowpolicy.envs.tasks.Task`): its environment
+    options (``defaults``), its demonstrations (``demos``: pretrain's ``demo_*``, the
+    ``pretrain.demo_*`` of a fine-tuning run, which pretrains when its checkpoint is
+    missing), its default paths (``output_dir``, ``pretrained_checkpoint``) and its
+    ``run_defaults[script]``."""
+    defaults = {}
+    for name, task in TASKS.items():
+        demos = {
+            "demo_episodes": task.demos.num_episodes,
+            "demo_action_noise": task.demos.action_noise,
+        }
+        if script == "pretrain":
+            paths = {"output_dir": task.output_dir("pretrain"), **demos}
+        elif script == "evaluate":
+            paths = {
+                "checkpoints": task.pretrained_checkpoint,
+                "output_json": f"{task.output_dir('evaluation')}.json",
+            }
+        else:
+            paths = {
+                "output_dir": task.output_dir(script),
+                "pretrained_checkpoint": task.pretrained_checkpoint,
+                **{f"pretrain.{option}": value for option, value in demos.items()},
+            }
+        defaults[name] = {**task.defaults, **paths, **task.run_defaults.get(script, {})}
+    return defaults
