@@ -3,14 +3,11 @@ checks of an example's held-out protocol and the example scripts loaded from the
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from examples_loader import load_example
 from torch import Tensor, nn
 
 
@@ -149,28 +146,6 @@ def assert_protocol_fields(summary: dict, stdout: str, name: str, reported: str)
 def check_protocol_fields():
     """:func:`assert_protocol_fields`, for the example tests."""
     return assert_protocol_fields
-
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def load_example(name: str) -> ModuleType:
-    """``examples/{name}.py`` as a module, loaded from its path (``sys.path`` untouched).
-
-    The scripts import their shared command-line module ``common`` (and the fine-tuning
-    scripts ``pretrain``) by name, as a script's own folder allows; those are loaded the same
-    way first and registered under their names, as ``import`` would register them.
-    """
-    for module_name in dict.fromkeys(("common", "pretrain", name)):
-        path = EXAMPLES / f"{module_name}.py"
-        loaded = sys.modules.get(module_name)
-        if loaded is not None and getattr(loaded, "__file__", None) == str(path):
-            continue
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 @pytest.fixture

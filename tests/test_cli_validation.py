@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import load_example
+from examples_loader import load_example
 
 from torchrl_flowpolicy import reports
 from torchrl_flowpolicy.envs import tasks

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import load_example
+from examples_loader import load_example
 
 from torchrl_flowpolicy import SamplerOptions
 from torchrl_flowpolicy.checkpoint import save_checkpoint

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_example
+from examples_loader import load_example
 
 from torchrl_flowpolicy.envs import load_or_collect_demos
 from torchrl_flowpolicy.envs.tasks import TASKS, DemoSettings, Task, get_task, script_defaults
