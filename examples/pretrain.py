@@ -59,7 +59,9 @@ class PretrainConfig(TaskOptions):
     demo_action_noise: float = option(
         0.3, "std of the Gaussian noise on the expert's torques (imperfect demos)", minimum=0
     )
-    demo_seed: int = option(0, "seed of the demonstration episodes", minimum=0)
+    demo_seed: int = option(
+        -1, "seed of the demonstration episodes (-1: --seed, so a seed redraws them)", minimum=-1
+    )
     train_steps: int = option(3000, "optimiser steps", minimum=1)
     batch_size: int = option(256, "decisions per minibatch", minimum=1)
     learning_rate: float = option(3e-4, "AdamW learning rate", above=0)
@@ -108,6 +110,12 @@ def config_for_run(run: Any) -> PretrainConfig:
         reward=run.reward,
         terminate_on_success=run.terminate_on_success,
     )
+
+
+def demonstration_seed(config: PretrainConfig) -> int:
+    """The seed of the demonstrations: ``--demo_seed``, or the run's ``--seed`` when it is
+    -1 (the default), so that a seed redraws everything random, the demonstrations too."""
+    return config.seed if config.demo_seed < 0 else config.demo_seed
 
 
 def run_option() -> Any:
@@ -233,7 +241,7 @@ def main(config: PretrainConfig) -> dict:
         demos, demo_file, cached = load_or_collect_demos(
             num_episodes=config.demo_episodes,
             action_noise=config.demo_action_noise,
-            seed=config.demo_seed,
+            seed=demonstration_seed(config),
             directory=config.demo_dir,
             progress=demo_progress.update,
             task=config.task,
@@ -267,6 +275,7 @@ def main(config: PretrainConfig) -> dict:
         "bc_success_k20": results[20]["success_rate"],
         "bc_success_k8": results[8]["success_rate"],
         "bc_return_k20": results[20]["mean_return"],
+        "demo_seed": demonstration_seed(config),
         "demo_success": demos["success"].float().mean().item(),
         "final_loss": sum(losses[-100:]) / len(losses[-100:]),
         "train_seconds": train_seconds,

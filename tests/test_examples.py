@@ -397,6 +397,30 @@ def test_pretraining_is_an_explicit_call_that_leaves_the_config_alone(
     assert pretrain_config == pretrain.config_for_run(config)
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"), [(["--seed", "3"], 3), (["--seed", "3", "--demo_seed", "0"], 0)]
+)
+def test_pretraining_demonstrations_follow_the_seed_unless_given(
+    monkeypatch, tmp_path, argv, expected
+):
+    # A seed redraws everything random: the demonstrations too, unless --demo_seed pins them.
+    pretrain = load_example("pretrain")
+    config = pretrain.parse_config(pretrain.PretrainConfig, [*argv, "--output_dir", str(tmp_path)])
+    seeds = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_collect(**options):
+        seeds.append(options["seed"])
+        raise Stop
+
+    monkeypatch.setattr(pretrain, "load_or_collect_demos", fake_collect)
+    with pytest.raises(Stop):
+        pretrain.main(config)
+    assert seeds == [expected] == [pretrain.demonstration_seed(config)]
+
+
 def test_run_checkpoint_round_trip_restores_state_and_random_streams(example_modules, tmp_path):
     seed_random_generators(0)
     network = torch.nn.Linear(3, 2)
