@@ -93,7 +93,9 @@ class FinetuneConfig(TaskOptions):
     """Every field is a command-line option (``--help``)."""
 
     seed: int = option(
-        0, "seeds torch (initialisation, minibatches, noise), training resets", minimum=0
+        0,
+        "seeds torch (initialisation, minibatches, noise), the demonstrations, training resets",
+        minimum=0,
     )
     output_dir: str = option("outputs/lerobot_finetune", "summary and LeRobot checkpoint")
     demo_episodes: int = option(5, "noisy scripted-expert episodes to clone", minimum=1)
@@ -250,7 +252,7 @@ def main(config: FinetuneConfig) -> dict:
 
     # 1. Demonstrations (the noisy scripted expert) as chunks; LeRobot's MEAN_STD statistics.
     demos = task.collect_demos(
-        config.demo_episodes, config.demo_action_noise, seed=0, **task_options(config)
+        config.demo_episodes, config.demo_action_noise, seed=config.seed, **task_options(config)
     )
     dataset = make_chunk_dataset(
         demos["observation"], demos["action"], demos["episode"], config.chunk_length
