@@ -138,28 +138,39 @@ def median_and_quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 # ---------------------------------------------------------------------------- collection
+def collection_arms(chunk: int, args: argparse.Namespace) -> dict[str, tuple]:
+    """The arms collected at ``H' = chunk``: ``{name: (policy, compile_policy)}``."""
+    torch.manual_seed(0)
+    spec_env = make_env(chunk)
+    stock = make_stock_actor(spec_env, args.hidden, args.layers)
+    spec_env.close()
+    flow_policy = make_flow_policy(chunk, args.num_denoising_steps, args.hidden, args.layers)
+    arms = {"stock": (stock, False), f"flow K={args.num_denoising_steps}": (flow_policy, False)}
+    for num_denoising_steps in args.collect_steps:
+        policy = make_flow_policy(chunk, num_denoising_steps, args.hidden, args.layers)
+        arms[f"flow K={num_denoising_steps}"] = (policy, False)
+    if args.compile:
+        arms[f"flow K={args.num_denoising_steps} compiled"] = (flow_policy, True)
+    return arms
+
+
 def measure_collection(args: argparse.Namespace) -> dict:
-    """Frames/s and env steps/s of each arm at each chunk length, interleaved."""
-    results = {}
+    """Frames/s and env steps/s of each arm at each chunk length, all interleaved in one run.
+
+    Every round times every arm of every chunk length (rotating order), so that the ratios to
+    the reference script's own actor (``stock`` at ``H = 1`` on the unwrapped environment,
+    ``over_reference_env_steps``) are per-round ratios of the same load, as the ratios to the
+    stock actor of the same chunk length (``over_stock_*``).
+    """
+    arms, collectors, iterators = {}, {}, {}
     for chunk in args.chunks:
-        frames_per_batch = args.env_steps_per_batch // chunk
-        torch.manual_seed(0)
-        spec_env = make_env(chunk)
-        stock = make_stock_actor(spec_env, args.hidden, args.layers)
-        spec_env.close()
-        flow_policy = make_flow_policy(chunk, args.num_denoising_steps, args.hidden, args.layers)
-        arms = {"stock": (stock, False), f"flow K={args.num_denoising_steps}": (flow_policy, False)}
-        for num_denoising_steps in args.collect_steps:
-            policy = make_flow_policy(chunk, num_denoising_steps, args.hidden, args.layers)
-            arms[f"flow K={num_denoising_steps}"] = (policy, False)
-        if args.compile:
-            arms[f"flow K={args.num_denoising_steps} compiled"] = (flow_policy, True)
-        collectors, iterators = {}, {}
-        for arm, (policy, compile_policy) in arms.items():
+        for name, (policy, compile_policy) in collection_arms(chunk, args).items():
+            arm = (chunk, name)
+            arms[arm] = policy
             collectors[arm] = Collector(
                 make_env(chunk),
                 policy,
-                frames_per_batch=frames_per_batch,
+                frames_per_batch=args.env_steps_per_batch // chunk,
                 total_frames=-1,
                 compile_policy=compile_policy,
                 auto_register_policy_transforms=False,
@@ -169,37 +180,45 @@ def measure_collection(args: argparse.Namespace) -> dict:
             next(iterators[arm])  # warm-up batch (and compilation)
             if compile_policy:
                 print(
-                    f"H = {chunk}: compile_policy's first batch took {time.perf_counter() - start:.0f} s"
+                    f"H = {chunk}: compile_policy's first batch took "
+                    f"{time.perf_counter() - start:.0f} s"
                 )
-        frames = {arm: [] for arm in arms}
-        steps = {arm: [] for arm in arms}
-        for round_index in range(args.rounds):
-            for arm in rotate(list(arms), round_index):
-                start, count, env_steps = time.perf_counter(), 0, 0
-                for _ in range(args.batches):
-                    batch = next(iterators[arm])
-                    count += batch.numel()
-                    env_steps += env_steps_of(batch)
-                elapsed = time.perf_counter() - start
-                frames[arm].append(count / elapsed)
-                steps[arm].append(env_steps / elapsed)
-        for collector in collectors.values():
-            collector.shutdown()
+    frames = {arm: [] for arm in arms}
+    steps = {arm: [] for arm in arms}
+    for round_index in range(args.rounds):
+        for arm in rotate(list(arms), round_index):
+            start, count, env_steps = time.perf_counter(), 0, 0
+            for _ in range(args.batches):
+                batch = next(iterators[arm])
+                count += batch.numel()
+                env_steps += env_steps_of(batch)
+            elapsed = time.perf_counter() - start
+            frames[arm].append(count / elapsed)
+            steps[arm].append(env_steps / elapsed)
+    for collector in collectors.values():
+        collector.shutdown()
+    reference = (1, "stock") if (1, "stock") in arms else None
+
+    def ratios(values: dict, arm: tuple, to: tuple) -> tuple[float, float, float]:
+        return median_and_quartiles([a / b for a, b in zip(values[arm], values[to], strict=True)])
+
+    results = {}
+    for chunk in args.chunks:
+        names = [name for arm_chunk, name in arms if arm_chunk == chunk]
         row = {
-            "frames_per_batch": frames_per_batch,
-            "frames_per_s": {arm: statistics.median(frames[arm]) for arm in arms},
-            "env_steps_per_s": {arm: statistics.median(steps[arm]) for arm in arms},
+            "frames_per_batch": args.env_steps_per_batch // chunk,
+            "frames_per_s": {name: statistics.median(frames[chunk, name]) for name in names},
+            "env_steps_per_s": {name: statistics.median(steps[chunk, name]) for name in names},
             "over_stock_frames": {},
             "over_stock_env_steps": {},
+            "over_reference_env_steps": {},
         }
-        for arm in arms:
-            if arm != "stock":
-                row["over_stock_frames"][arm] = median_and_quartiles(
-                    [f / s for f, s in zip(frames[arm], frames["stock"], strict=True)]
-                )
-                row["over_stock_env_steps"][arm] = median_and_quartiles(
-                    [f / s for f, s in zip(steps[arm], steps["stock"], strict=True)]
-                )
+        for name in names:
+            if name != "stock":
+                row["over_stock_frames"][name] = ratios(frames, (chunk, name), (chunk, "stock"))
+                row["over_stock_env_steps"][name] = ratios(steps, (chunk, name), (chunk, "stock"))
+            if reference is not None and (chunk, name) != reference:
+                row["over_reference_env_steps"][name] = ratios(steps, (chunk, name), reference)
         results[chunk] = row
     return results
 
@@ -315,6 +334,19 @@ def report(collection: dict, components: dict, args: argparse.Namespace) -> dict
             ratio, q25, q75 = row["over_stock_env_steps"][arm]
             cells.append(f"{ratio:.2f} ({q25:.2f}-{q75:.2f})")
         lines.append("| " + " | ".join(cells) + " |")
+    if 1 in collection:
+        lines += [
+            "",
+            "Env steps/s relative to the reference script's actor (stock, H = 1, "
+            "unwrapped environment), the same rounds (q25-q75)",
+        ]
+        lines += ["| H | arm | env steps/s | / reference |", "|---|---|---|---|"]
+        for chunk, row in collection.items():
+            for arm, (ratio, q25, q75) in row["over_reference_env_steps"].items():
+                speed = row["env_steps_per_s"][arm]
+                lines.append(
+                    f"| {chunk} | {arm} | {speed:.0f} | {ratio:.2f} ({q25:.2f}-{q75:.2f}) |"
+                )
     lines += ["", "Where the time goes (ms per call, medians; one observation, one thread)"]
     names = list(next(iter(components.values())))
     lines += ["| H | " + " | ".join(names) + " | collector frame: " + " / ".join(arms) + " |"]
@@ -334,7 +366,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--env-steps-per-batch", type=int, default=200)
     parser.add_argument("--batches", type=int, default=2, help="batches per arm per round")
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--num-steps", type=int, default=8, help="K of the flow policy")
+    parser.add_argument("--num-denoising-steps", type=int, default=8, help="K of the flow policy")
     parser.add_argument(
         "--compare-steps", type=int, nargs="*", default=[2, 4], help="K values timed alone"
     )

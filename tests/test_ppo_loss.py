@@ -1005,3 +1005,42 @@ def test_self_imitation_of_a_single_step_policy_equals_that_of_a_one_row_chunk()
     torch.testing.assert_close(losses[0], losses[1], atol=0, rtol=0)
     with pytest.raises(ValueError, match="single-step action shape"):
         flow_matching_per_sample(single, data, data["action"].unsqueeze(-2))
+
+
+# ---------------------------------------------------------------------------- entropy, drift
+def test_a_positive_entropy_coeff_is_honoured_as_clip_ppo_loss_honours_it():
+    policy = make_policy()
+    data = collect(policy, (16,))
+    data["advantage"] = non_uniform_advantage((16,))
+    out = DenoisingClipPPOLoss(policy, entropy_coeff=0.01)(data)
+    # The bonus is on without entropy_bonus=True: -entropy_coeff * the steps' mean entropy.
+    assert out["loss_entropy"].item() != 0.0
+    torch.testing.assert_close(out["loss_entropy"], -0.01 * out["entropy"])
+    # Without a coefficient (or with 0) nothing is added, as before.
+    for options in ({}, {"entropy_coeff": 0.0}):
+        assert DenoisingClipPPOLoss(policy, **options)(data)["loss_entropy"].item() == 0.0
+
+
+def test_a_positive_entropy_coeff_with_the_bonus_off_is_refused_by_name():
+    policy = make_policy()
+    with pytest.raises(ValueError, match=r"entropy_coeff=0\.01 > 0 with entropy_bonus=False"):
+        DenoisingClipPPOLoss(policy, entropy_coeff=0.01, entropy_bonus=False)
+    DenoisingClipPPOLoss(policy, entropy_coeff=0.0, entropy_bonus=False)  # consistent: accepted
+
+
+def test_the_drift_alarm_is_relative_to_the_largest_stored_log_prob():
+    policy = make_policy()
+    data = collect(policy, (32,))
+    data["advantage"] = non_uniform_advantage((32,))
+    loss = DenoisingClipPPOLoss(policy)
+    fresh = loss(data)
+    stored = data[STEP_LOG_PROB][data[SDE_MASK]]
+    assert fresh["log_prob_drift_relative"] <= 1e-12  # float64: rounding only
+    perturb(policy)
+    moved = loss(data)
+    scale = max(1.0, stored.abs().max().item())
+    torch.testing.assert_close(
+        moved["log_prob_drift_relative"], moved["log_prob_drift"] / scale, rtol=1e-12, atol=0
+    )
+    assert moved["log_prob_drift_relative"] > 1e-3
+    assert "log_prob_drift_relative" in loss.out_keys

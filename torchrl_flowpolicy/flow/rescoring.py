@@ -150,6 +150,10 @@ def check_sde_mask(sde_mask: Tensor, name: str = "sde_mask") -> None:
     Examples:
         >>> check_sde_mask(torch.tensor([[False, True]]))  # valid: returns None
     """
+    if torch.compiler.is_compiling():  # in the graph (a Python branch would break it)
+        message = f"the stored mask {name} marks step 0 as stochastic (run eagerly for details)"
+        torch._assert_async(~sde_mask[:, 0].any(), message)
+        return
     if sde_mask[:, 0].any():
         raise ValueError(
             f"the stored mask {name} marks step 0 as stochastic for "
@@ -177,7 +181,7 @@ def check_stochastic_steps(
             f"{format_step_entries(steps, bad)}: a noise head must return a positive std "
             f"(flow.bounded_std); check its inputs and dtype."
         )
-    if not all_finite(steps.mean):
+    if not all_finite(steps.mean, "a recomputed step mean"):
         inputs = chain[steps.decision_index, steps.step_index]
         if not torch.isfinite(inputs).all():
             bad = ~torch.isfinite(inputs).flatten(1).all(-1)
@@ -190,7 +194,7 @@ def check_stochastic_steps(
             "velocity_network produced non-finite values while recomputing log-probs "
             "from the stored chain (log_prob)."
         )
-    if check_samples and not all_finite(steps.sample):
+    if check_samples and not all_finite(steps.sample, f"the stored chain {chain_name}"):
         bad = ~torch.isfinite(steps.sample).flatten(1).all(-1)
         raise ValueError(
             f"the stored chain {chain_name} is not finite at the samples x_(k+1) of stochastic "

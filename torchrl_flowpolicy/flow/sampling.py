@@ -47,12 +47,17 @@ __all__ = [
 ]
 
 
-def all_finite(tensor: Tensor) -> bool:
+def all_finite(tensor: Tensor, what: str = "a checked tensor") -> bool:
     """Whether every entry of ``tensor`` is finite, at the cost of one sum.
 
     A finite sum proves every entry finite; only a non-finite sum (a NaN or inf entry, or
     finite entries whose sum overflows) needs the elementwise check. On the CPU this is
     several times cheaper than ``torch.isfinite(tensor).all()``, which allocates a mask.
+
+    Under ``torch.compile`` the check stays in the graph instead of breaking it (reading a
+    tensor's value in Python is a graph break): ``torch._assert_async`` raises a
+    ``RuntimeError`` naming ``what`` when an entry is not finite, and the function returns
+    ``True``. The callers' detailed ``ValueError`` messages are those of eager mode.
 
     Examples:
         >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
@@ -61,6 +66,10 @@ def all_finite(tensor: Tensor) -> bool:
         True
     """
     tensor = tensor.detach()
+    if torch.compiler.is_compiling():
+        message = f"{what} is not finite (run without torch.compile for the detailed check)"
+        torch._assert_async(torch.isfinite(tensor).all(), message)
+        return True
     return math.isfinite(tensor.sum().item()) or bool(torch.isfinite(tensor).all())
 
 
@@ -333,7 +342,7 @@ def integrate(
     if step_std is not None:
         step_std = step_std.transpose(0, 1)
         _check_step_std(step_std, sde_mask, schedule)
-    if not all_finite(chain):
+    if not all_finite(chain, "the sampled chain"):
         bad = int((~torch.isfinite(chain)).flatten(2).any(-1).any(0).nonzero()[0]) - 1
         if bad < 0:
             raise ValueError(

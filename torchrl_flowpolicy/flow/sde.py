@@ -134,6 +134,10 @@ def sigma_grid(
     sigma = 1.0 - torch.arange(num_denoising_steps + 1, dtype=torch.float64) / num_denoising_steps
     sigma = shift * sigma / (1.0 + (shift - 1.0) * sigma)
     grid = sigma.to(dtype=dtype)
+    if torch.compiler.is_compiling():
+        # A pure function of the options, checked when they were set (check_sampler builds
+        # this grid): under torch.compile the data-dependent check would break the graph.
+        return grid.to(device=device)
     # Two equal levels would make a zero step: std 0, a NaN log-probability.
     equal = (grid[1:] >= grid[:-1]).nonzero()
     if equal.numel():

@@ -30,6 +30,7 @@ __all__ = [
     "check_loss_options",
     "check_objective",
     "no_critic_error",
+    "resolve_entropy_bonus",
     "stored_step_log_prob",
 ]
 
@@ -83,6 +84,31 @@ def check_critic_free(options: Mapping[str, Any]) -> None:
             f"(critic_network=None). A critic-free loss reads the advantage from the batch (e.g. "
             f"GroupRelativeAdvantage); drop these options or pass a critic_network."
         )
+
+
+def resolve_entropy_bonus(entropy_bonus: bool | None, options: Mapping[str, Any]) -> bool:
+    """Whether the loss adds ``-entropy_coeff * entropy``, from ``entropy_bonus`` and the
+    ``entropy_coeff`` in ``options``.
+
+    ``None`` (the default): on exactly when an ``entropy_coeff > 0`` was passed, so that
+    ``entropy_coeff=cfg.loss.entropy_coeff`` means what it means for ``ClipPPOLoss``.
+    ``False`` with an ``entropy_coeff > 0`` asks for two contradicting things: refused.
+
+    Examples:
+        >>> resolve_entropy_bonus(None, {"entropy_coeff": 0.01}), resolve_entropy_bonus(None, {})
+        (True, False)
+    """
+    coefficient = options.get("entropy_coeff")
+    positive = coefficient is not None and float(coefficient) > 0
+    if entropy_bonus is None:
+        return positive
+    if not entropy_bonus and positive:
+        raise ValueError(
+            f"entropy_coeff={coefficient!r} > 0 with entropy_bonus=False: the coefficient would "
+            f"be ignored (loss_entropy stays 0). Drop entropy_bonus=False to add the bonus, or "
+            f"pass entropy_coeff=0."
+        )
+    return bool(entropy_bonus)
 
 
 def no_critic_error(what: str) -> ValueError:
@@ -159,7 +185,7 @@ def stored_step_log_prob(
     if old.requires_grad:
         raise RuntimeError(f"the stored log-probs {key!r} require grad; detach them.")
     entries = old.reshape(-1, old.shape[-1])[steps.decision_index, steps.step_index]
-    if check_data and not flow.all_finite(entries):
+    if check_data and not flow.all_finite(entries, f"the stored log-probs {key!r}"):
         bad = ~torch.isfinite(entries)
         raise ValueError(
             f"the stored log-probs {key!r} are not finite at {int(bad.sum())} stochastic "
@@ -184,7 +210,7 @@ def check_advantage(
             f"the advantage {key!r} has shape {tuple(advantage.shape)}, expected {expected}: "
             f"one value per decision (the tensordict's batch shape followed by 1)."
         )
-    if check_data and not flow.all_finite(advantage):
+    if check_data and not flow.all_finite(advantage, f"the advantage {key!r}"):
         raise ValueError(
             f"the advantage {key!r} is not finite for "
             f"{int((~torch.isfinite(advantage)).sum())} of {advantage.numel()} decisions "
@@ -194,7 +220,7 @@ def check_advantage(
 
 def check_objective(loss_objective: Tensor, advantage: Tensor, log_weight: Tensor) -> None:
     """Refuse a non-finite ``loss_objective`` from finite data: an overflow."""
-    if not flow.all_finite(loss_objective):
+    if not flow.all_finite(loss_objective, "loss_objective"):
         raise ValueError(
             f"loss_objective is not finite although the stored data are: a ratio or an "
             f"advantage overflows {loss_objective.dtype} (largest |advantage| "

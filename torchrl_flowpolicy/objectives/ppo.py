@@ -23,7 +23,7 @@ with dual clip), the extra terms and the diagnostics over the stochastic entries
 (:func:`~torchrl_flowpolicy.objectives.surrogate.ratio_diagnostics`); ``docs/dropin.md``
 names the TorchRL hook that would make it TorchRL's own.
 
-Entropy (off by default): a step's Gaussian entropy over its ``H' x D`` real entries,
+Entropy (off unless an ``entropy_coeff > 0`` is passed): a step's Gaussian entropy over its ``H' x D`` real entries,
 averaged over the stochastic entries (``"entropy"``). With the fixed schedule it has no
 gradient (exploration is the policy's ``noise_level``); with a noise head (Flow-Noise,
 ReinFlow) the ratio includes the change of std and ``entropy_bonus=True`` is a real
@@ -59,6 +59,7 @@ from torchrl_flowpolicy.objectives.checks import (
     check_loss_options,
     check_objective,
     no_critic_error,
+    resolve_entropy_bonus,
     stored_step_log_prob,
 )
 from torchrl_flowpolicy.objectives.flow_matching import reduce_self_imitation, self_imitation_error
@@ -96,7 +97,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         bc_coeff: weight of self-imitation: flow matching on the executed chunks of the
             decisions flagged successful (key ``success``). Default 0: off.
         sigma_distribution: the noise-level distribution of the self-imitation term.
-        entropy_bonus: add ``-entropy_coeff * entropy`` (default ``False``; see above).
+        entropy_bonus: add ``-entropy_coeff * entropy``; default: when an ``entropy_coeff > 0``
+            is passed. ``False`` with an ``entropy_coeff > 0`` is refused, naming both.
         check_data: check the stored data before using them (default ``True``): a finite
             advantage, finite stored log-probs and samples, no stochastic step 0, a finite
             ``loss_objective``; a ``ValueError`` naming the key instead of NaN weights. One sum
@@ -162,7 +164,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         reference_actor: FlowSDEPolicy | None = None,
         bc_coeff: float = 0.0,
         sigma_distribution: flow.SigmaDistribution = "uniform",
-        entropy_bonus: bool = False,
+        entropy_bonus: bool | None = None,
         check_data: bool = True,
         **kwargs: Any,
     ):
@@ -172,6 +174,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         )
         if kl_coeff > 0 and reference_actor is None:
             reference_actor = copy.deepcopy(actor_network)
+        entropy_bonus = resolve_entropy_bonus(entropy_bonus, kwargs)
         options = {"clip_epsilon": clip_epsilon, "entropy_bonus": entropy_bonus, **kwargs}
         super().__init__(actor_network, critic_network, **options)
         if reference_actor is not None:
@@ -204,7 +207,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             keys += ["loss_kl"] * (self.kl_coeff > 0) + ["loss_bc"] * (self.bc_coeff > 0)
             keys.append("loss_entropy")
             keys += ["clip_fraction", "kl_approx", "ESS", "mean_ratio", "max_ratio"]
-            keys += ["entropy", "log_prob_drift", "num_stochastic_steps"]
+            keys += ["entropy", "log_prob_drift", "log_prob_drift_relative"]
+            keys.append("num_stochastic_steps")
             self._out_keys = keys
         return self._out_keys
 
@@ -260,15 +264,22 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
         ``kl_approx = -log_weight``; ``log_is_weight`` caps every step's ratio at
         ``max_importance_ratio`` as TorchRL does (``None`` without a cap).
         """
+        log_weight, steps, _, log_is_weight = self._step_log_weight(tensordict, adv_shape)
+        return log_weight, steps, -log_weight, log_is_weight
+
+    def _step_log_weight(
+        self, tensordict: TensorDictBase, adv_shape: torch.Size
+    ) -> tuple[Tensor, StochasticSteps, Tensor, Tensor | None]:
+        """:meth:`_log_weight`'s terms with ``|log pi_old|`` ``[*B, K]`` for ``kl_approx``."""
         steps = self.stochastic_steps(tensordict)
         log_prob = self.actor_network.sampler.log_prob(steps)
-        entries = log_prob - self.old_step_log_prob(tensordict, steps).to(log_prob.dtype)
+        old = self.old_step_log_prob(tensordict, steps).to(log_prob.dtype)
         shape = (*adv_shape, self.actor_network.num_denoising_steps)
-        log_weight = flow.scatter_steps(steps, entries, shape).unsqueeze(-1)
-        log_is_weight = None
-        if self.max_importance_ratio is not None:
-            log_is_weight = (self.max_importance_ratio.log() - log_weight.detach()).clamp_max(0)
-        return log_weight, steps, -log_weight, log_is_weight
+        log_weight = flow.scatter_steps(steps, log_prob - old, shape).unsqueeze(-1)
+        old_magnitude = flow.scatter_steps(steps, old.detach().abs(), shape)  # 0 where ODE
+        cap = self.max_importance_ratio
+        log_is_weight = None if cap is None else (cap.log() - log_weight.detach()).clamp_max(0)
+        return log_weight, steps, old_magnitude, log_is_weight
 
     def advantage(self, tensordict: TensorDictBase) -> Tensor:
         """The decision's advantage ``[*B, 1]`` (from the value estimator if missing),
@@ -307,9 +318,8 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         tensordict = tensordict.clone(False)
         advantage = self.advantage(tensordict)
-        log_weight, steps, _, log_is_weight = self._log_weight(
-            tensordict, adv_shape=tensordict.batch_size
-        )
+        batch_shape = tensordict.batch_size
+        log_weight, steps, old, log_is_weight = self._step_log_weight(tensordict, batch_shape)
         advantage = _broadcast_advantage_to_log_weight(advantage, log_weight)
         _check_advantage_broadcast(advantage, log_weight)
         surrogate = clipped_surrogate(
@@ -334,7 +344,7 @@ class DenoisingClipPPOLoss(ClipPPOLoss):
             mean_entropy = self._entry_mean(entropy, steps, sde_mask, tensordict)
             loss_entropy = self._weighted_loss_entropy(mean_entropy)
         out.set("loss_entropy", loss_entropy)
-        for name, value in ratio_diagnostics(surrogate, sde_mask, entropy).items():
+        for name, value in ratio_diagnostics(surrogate, sde_mask, entropy, old).items():
             out.set(name, value)
         self._clear_weakrefs(tensordict, out, *_PARAMETER_ENTRIES)
         return out

@@ -8,6 +8,7 @@ enter an objective or a diagnostic.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -68,53 +69,68 @@ def clipped_surrogate(
 
 
 @torch.no_grad()
-def ratio_diagnostics(surrogate: Surrogate, sde_mask: Tensor, entropy: Tensor) -> dict[str, Tensor]:
-    """TorchRL's PPO diagnostics over the ``M`` stochastic entries (row-major order).
+def ratio_diagnostics(
+    surrogate: Surrogate,
+    sde_mask: Tensor,
+    entropy: Tensor,
+    old_log_prob: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """TorchRL's PPO diagnostics over the ``M`` stochastic entries.
 
     ``clip_fraction`` (entries whose ratio the clip moved), ``kl_approx`` (the mean of
-    ``-log_weight``, TorchRL's ``log pi_old - log pi_theta``), ``ESS`` (the effective sample size of the behaviour ratios over ``M``),
-    ``mean_ratio`` / ``max_ratio`` (behaviour ratios), ``entropy`` (the mean of the entries'
-    ``entropy [M]``), ``log_prob_drift`` (the largest ``|log_weight|``: about 0 before any
-    update) and ``num_stochastic_steps`` (``M``). Without any stochastic entry, the values of
-    unit ratios (0 and 1, not a mean of nothing).
+    ``-log_weight``, TorchRL's ``log pi_old - log pi_theta``), ``ESS`` (the effective sample
+    size of the behaviour ratios over ``M``), ``mean_ratio`` / ``max_ratio`` (behaviour
+    ratios), ``entropy`` (the mean of the entries' ``entropy [M]``), ``log_prob_drift`` (the
+    largest ``|log_weight|``: about 0 before any update), ``log_prob_drift_relative`` (the
+    drift divided by ``max(1, max |log pi_old|)`` over the stochastic entries; written when
+    ``old_log_prob [*B, K]`` is given) and ``num_stochastic_steps``
+    (``M``). Without any stochastic entry, the values of unit ratios (0 and 1, not a mean of
+    nothing).
+
+    Every reduction is masked over the ``[*B, K]`` grid rather than indexed with the mask, so
+    that the function has no data-dependent shape (no graph break under ``torch.compile``).
 
     Examples:
         >>> bounds = (torch.tensor(0.8).log(), torch.tensor(1.2).log())
         >>> log_weight = torch.tensor([[[0.0], [0.5]]])  # one decision, K = 2
         >>> surrogate = clipped_surrogate(log_weight, torch.ones(1, 1, 1), bounds)
         >>> mask = torch.tensor([[False, True]])
-        >>> diagnostics = ratio_diagnostics(surrogate, mask, torch.zeros(1))
+        >>> old = torch.tensor([[-40.0, -25.0]])  # the stored log-probs (step 0 is not scored)
+        >>> diagnostics = ratio_diagnostics(surrogate, mask, torch.zeros(1), old)
         >>> diagnostics["clip_fraction"].item(), diagnostics["num_stochastic_steps"].item()
         (1.0, 1)
+        >>> round(diagnostics["log_prob_drift_relative"].item(), 6)  # 0.5 / 25
+        0.02
     """
-    log_weight = surrogate.log_weight
-    entries = log_weight[..., 0][sde_mask]
-    behaviour_entries = surrogate.behaviour_log_weight[..., 0][sde_mask]
-    num_entries = entries.numel()
-    zero, one = entries.new_zeros(()), entries.new_ones(())
-    if num_entries:
-        clipped_entries = surrogate.clipped_log_weight[..., 0][sde_mask]
-        clip_fraction = (clipped_entries != entries).to(entries.dtype).mean()
-        ess = 2 * behaviour_entries.logsumexp(0) - (2 * behaviour_entries).logsumexp(0)
-        ratio_entries = behaviour_entries.exp()
-        diagnostics = {
-            "clip_fraction": clip_fraction,
-            "kl_approx": (-log_weight)[..., 0][sde_mask].mean(),
-            "ESS": ess.exp() / num_entries,
-            "mean_ratio": ratio_entries.mean(),
-            "max_ratio": ratio_entries.max(),
-            "entropy": entropy.mean(),
-            "log_prob_drift": entries.abs().max(),
-        }
+    log_weight = surrogate.log_weight[..., 0]
+    behaviour = surrogate.behaviour_log_weight[..., 0]
+    clipped = surrogate.clipped_log_weight[..., 0]
+    num_entries = sde_mask.sum()
+    some = num_entries > 0
+    count = num_entries.clamp_min(1).to(log_weight.dtype)
+    zero, one = log_weight.new_zeros(()), log_weight.new_ones(())
+    masked_behaviour = behaviour.masked_fill(~sde_mask, -math.inf)
+    flat = masked_behaviour.flatten()
+    ess = 2 * flat.logsumexp(0) - (2 * flat).logsumexp(0)
+    ratios = behaviour.exp()
+    scale = zero
+    if log_weight.numel():  # a static shape: no branch on the data
+        drift = log_weight.abs().masked_fill(~sde_mask, 0.0).amax()
+        max_ratio = torch.where(some, ratios.masked_fill(~sde_mask, 0.0).amax(), one)
+        if old_log_prob is not None:
+            scale = old_log_prob.abs().masked_fill(~sde_mask, 0.0).amax().to(zero)
     else:
-        diagnostics = {
-            "clip_fraction": zero,
-            "kl_approx": zero,
-            "ESS": one,
-            "mean_ratio": one,
-            "max_ratio": one,
-            "entropy": zero.to(entropy.dtype),
-            "log_prob_drift": zero,
-        }
-    diagnostics["num_stochastic_steps"] = torch.tensor(num_entries)
+        drift, max_ratio = zero, one
+    diagnostics = {
+        "clip_fraction": ((clipped != log_weight) & sde_mask).sum().to(count) / count,
+        "kl_approx": (-log_weight).masked_fill(~sde_mask, 0.0).sum() / count,
+        "ESS": torch.where(some, ess.exp() / count, one),
+        "mean_ratio": torch.where(some, ratios.masked_fill(~sde_mask, 0.0).sum() / count, one),
+        "max_ratio": max_ratio,
+        "entropy": entropy.sum() / count.to(entropy.dtype),
+        "log_prob_drift": drift,
+    }
+    if old_log_prob is not None:
+        diagnostics["log_prob_drift_relative"] = drift / scale.clamp_min(1.0)
+    diagnostics["num_stochastic_steps"] = num_entries
     return diagnostics
