@@ -31,15 +31,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from collections.abc import Collection, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
 
-from torchrl_flowpolicy import runs
-from torchrl_flowpolicy.envs import TASKS
+from torchrl_flowpolicy import run_checks, runs
+from torchrl_flowpolicy.envs import TASKS, get_task
 from torchrl_flowpolicy.sampler import check_options
 from torchrl_flowpolicy.sampler_options import SamplerOptions
 
@@ -124,22 +125,112 @@ def validate_config(config: Any) -> None:
         raise ValueError("invalid options:\n  " + "\n  ".join(errors))
 
 
+def warn_config(config: Any) -> None:
+    """Warn (``UserWarning``), before any work, about each line of the config's
+    ``option_warnings()`` method, if it has one: settings that are valid but in which the
+    run cannot learn (an objective that stays 0, an actor never updated)."""
+    for line in getattr(config, "option_warnings", list)():
+        warnings.warn(line, UserWarning, stacklevel=3)
+
+
+def split_list(text: str, option: str, kind: Callable[[str], Any] = str) -> list[Any]:
+    """The comma-separated values of a list option (``"1.0,0.0"``), each converted by
+    ``kind``; empty items are dropped.
+
+    Raises:
+        ValueError: naming ``option`` and the item that ``kind`` refuses.
+    """
+    values = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            values.append(kind(item))
+        except ValueError:
+            raise ValueError(
+                f"{option} {text!r}: {item!r} is not a {getattr(kind, '__name__', kind)}."
+            ) from None
+    return values
+
+
+# The TorchRL loggers a run may name in --loggers (torchrl_flowpolicy.loggers.MetricLogger).
+LOGGERS = ("wandb", "csv")
+
+# What a fine-tuning run writes into its --output_dir besides its logs.
+RUN_FILES = (*run_checks.RUN_RESULTS, "learning_curve.png")
+
+
+def check_pretrained_checkpoint(config: Any) -> None:
+    """Refuse, before any work, a fine-tuning run's ``--pretrained_checkpoint`` that it could
+    not read, or that its pretraining would write over another run's results.
+
+    A missing checkpoint is pretrained (``examples/pretrain.py``) only at the task's default
+    path or with ``--pretrain_if_missing``: a misspelled path is an error, not a fresh start.
+
+    Raises:
+        IsADirectoryError: the path is a folder.
+        FileNotFoundError: a missing checkpoint that is not pretrained here (or that a
+            ``--resume`` needs: the run started from it).
+        ValueError: the run's own outputs include it, or its pretraining would write into
+            the run's ``--output_dir``.
+        FileExistsError: its pretraining would replace another pretraining's summary.
+    """
+    path, output_dir = Path(config.pretrained_checkpoint), Path(config.output_dir)
+    written = {"--output_dir": [output_dir / name for name in RUN_FILES]}
+    run_checks.check_not_an_input(written, {"--pretrained_checkpoint": [path]})
+    if path.is_dir() or path.is_file() or config.resume:
+        hint = "the run to resume started from it: give the checkpoint it was started with."
+        run_checks.check_input_file(path, "--pretrained_checkpoint", hint)
+        return
+    default = get_task(config.task).pretrained_checkpoint
+    if not config.pretrain_if_missing and path != Path(default):
+        raise FileNotFoundError(
+            f"--pretrained_checkpoint {path}: no such file. Only the task's default "
+            f"({default}) is pretrained when missing: fix the path, or pass "
+            "--pretrain_if_missing to pretrain a policy there first."
+        )
+    if path.parent.resolve() == output_dir.resolve():
+        raise ValueError(
+            f"--pretrained_checkpoint {path}: its pretraining would write its summary.json into "
+            f"--output_dir {output_dir}, where this run writes its own; put it in another folder."
+        )
+    run_checks.check_output_dir(
+        path.parent,
+        (path.name, "summary.json"),
+        resume=False,
+        overwrite=config.overwrite,
+        option="the pretraining's folder (--pretrained_checkpoint's)",
+        resumable=False,
+    )
+
+
 def check_run_config(config: Any) -> torch.device:
     """Refuse, before any work, a fine-tuning config (``examples/ppo.py``, ``dsrl.py``) that
-    the run could not carry out; returns the run's device.
+    the run could not carry out, and warn about settings in which it cannot learn
+    (:func:`warn_config`); returns the run's device.
 
     Raises:
         ValueError: options out of bounds or contradicting each other
             (:func:`validate_config`), ``--sampler.*`` settings the sampler refuses
-            (:func:`~torchrl_flowpolicy.sampler.check_options`), an unavailable ``--device``.
-        FileNotFoundError: ``--resume`` without a checkpoint in ``output_dir``.
+            (:func:`~torchrl_flowpolicy.sampler.check_options`), an unavailable ``--device``,
+            a ``--loggers`` name that is not a logger.
+        FileNotFoundError: ``--resume`` without a checkpoint in ``output_dir``; a missing
+            ``--pretrained_checkpoint`` (:func:`check_pretrained_checkpoint`).
+        FileExistsError: an ``output_dir`` that holds a run's results, without ``--resume``
+            or ``--overwrite`` (:func:`~torchrl_flowpolicy.run_checks.check_output_dir`).
     """
     validate_config(config)
     if isinstance(getattr(config, "sampler", None), SamplerOptions):
         check_options(config.sampler, "--sampler.*")
     device = runs.resolve_device(config.device)
+    unknown = [name for name in split_list(config.loggers, "--loggers") if name not in LOGGERS]
+    if unknown:
+        raise ValueError(f"--loggers {config.loggers}: {unknown} not among {list(LOGGERS)}.")
     if config.resume:
         runs.require_run_checkpoint(Path(config.output_dir) / "checkpoint.pt")
+    run_checks.check_output_dir(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    check_pretrained_checkpoint(config)
+    warn_config(config)
     return device
 
 

@@ -2,8 +2,11 @@
 
 Reads the ``summary.json`` that ``examples/ppo.py`` (and ``examples/dsrl.py``) write::
 
-    python examples/compare_runs.py --output docs/results/seeds.png \\
+    python examples/compare_runs.py --output docs/results/seeds.png --overwrite \\
         --runs "seed 0=outputs/ppo_seed0/summary.json" "seed 1=outputs/ppo_seed1/summary.json"
+
+Every input is checked and read before anything is drawn; the ``--output`` PNG is never one
+of the inputs, and an existing one is replaced only with ``--overwrite``.
 
 Each curve is the run's own learning-curve success (its evaluation sampler, e.g. the ODE
 at ``eval_num_denoising_steps`` from ``x_0 ~ N(0, I)`` for ``examples/ppo.py``) against environment
@@ -17,7 +20,7 @@ the runs at each evaluation point (the runs must share their evaluation steps), 
 lowest and highest run as a band, against the mean wall time at that point; the table then
 lists each run's final success after the mean::
 
-    python examples/compare_runs.py --output docs/results/methods.png --wall_time \
+    python examples/compare_runs.py --output docs/results/methods.png --overwrite --wall_time \
         --runs "GAE=outputs/gae_s0/summary.json" "GAE=outputs/gae_s1/summary.json" \
                "GRPO=outputs/grpo_s0/summary.json" "GRPO=outputs/grpo_s1/summary.json"
 """
@@ -38,9 +41,14 @@ from torchrl_flowpolicy.statistics import paired_bootstrap_interval
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from torchrl_flowpolicy.run_checks import (  # noqa: E402
+    check_input_file,
+    check_not_an_input,
+    check_output_file,
+)
 from torchrl_flowpolicy.runs import save_figure  # noqa: E402
 
-from common import option, parse_config  # noqa: E402
+from common import option, parse_config, validate_config  # noqa: E402
 
 
 @dataclass
@@ -62,14 +70,47 @@ class CompareConfig:
         "with --held_out: the label whose runs the others are compared with, paired episode by "
         "episode (same seed, same held-out states) in the reported decoding",
     )
+    overwrite: bool = option(False, "replace an existing --output")
+
+    def option_conflicts(self) -> list[str]:
+        """Options given without what reads them."""
+        if self.baseline and not self.held_out:
+            return [f"--baseline {self.baseline}: only with --held_out"]
+        return []
+
+
+def run_path(specification: str) -> tuple[str, Path]:
+    """``"label=path"`` -> ``(label, path)`` (the label may contain ``=``), the path checked."""
+    label, _, path = specification.rpartition("=")
+    if not label or not path:
+        raise ValueError(f"--runs: expected LABEL=PATH, got {specification!r}.")
+    return label, check_input_file(path, "--runs")
 
 
 def load(specification: str) -> tuple[str, dict]:
     """``"label=path"`` -> ``(label, summary)`` (the label may contain ``=``)."""
-    label, _, path = specification.rpartition("=")
-    if not path:
-        raise ValueError(f"expected LABEL=PATH, got {specification!r}.")
-    return label, json.loads(Path(path).read_text())
+    label, path = run_path(specification)
+    try:
+        return label, json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"--runs {label}={path}: not a run's summary.json ({error}).") from None
+
+
+def check_config(config: CompareConfig) -> list[tuple[str, dict]]:
+    """Every option checked, and every summary read, before anything is drawn or written:
+    the runs (``LABEL=PATH`` of an existing JSON file each), ``--baseline`` among their
+    labels, an ``--output`` PNG that is none of them and, unless ``--overwrite``, new."""
+    validate_config(config)
+    runs = [load(specification) for specification in config.runs]
+    labels = list(dict.fromkeys(label for label, _ in runs))
+    if config.baseline and config.baseline not in labels:
+        raise ValueError(f"--baseline {config.baseline!r} is not a label of --runs: {labels}.")
+    paths = [run_path(specification)[1] for specification in config.runs]
+    check_not_an_input({"--output": [config.output]}, {"--runs": paths})
+    if Path(config.output).suffix.lower() != ".png":
+        raise ValueError(f"--output {config.output}: the figure is a PNG; name it *.png.")
+    check_output_file(config.output, "--output", overwrite=config.overwrite)
+    return runs
 
 
 def curve(summary: dict) -> tuple[list[float], list[float], list[float]]:
@@ -155,7 +196,7 @@ def difference(first: torch.Tensor, second: torch.Tensor) -> str:
 
 
 def main(config: CompareConfig) -> None:
-    groups = group([load(specification) for specification in config.runs])
+    groups = group(check_config(config))  # before anything is drawn or written
     columns = 2 if config.wall_time else 1
     figure, axes = plt.subplots(1, columns, figsize=(6 * columns, 4), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -38,6 +38,7 @@ from torchrl.objectives import SACLoss, SoftUpdate
 from tqdm import tqdm
 
 from torchrl_flowpolicy import FlowSDEPolicy, collectors, episodes, reports, runs
+from torchrl_flowpolicy.checkpoint import load_checkpoint
 from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform
 from torchrl_flowpolicy.dsrl_networks import (
     make_noise_actor,
@@ -46,7 +47,8 @@ from torchrl_flowpolicy.dsrl_networks import (
 )
 from torchrl_flowpolicy.envs import decision_discount, get_task
 from torchrl_flowpolicy.loggers import MetricLogger, MetricWindow
-from torchrl_flowpolicy.protocol import training_seed
+from torchrl_flowpolicy.protocol import SPLIT_SIZE, training_seed
+from torchrl_flowpolicy.run_checks import weights_digest
 
 import pretrain
 from common import TaskOptions, check_run_config, option
@@ -60,7 +62,11 @@ class DSRLConfig(TaskOptions):
     seed: int = option(0, "seeds torch, the environments and the pretraining", minimum=0)
     output_dir: str = option("outputs/dsrl", "checkpoints, logs, plot and summary")
     pretrained_checkpoint: str = option(
-        "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
+        "outputs/pretrain/policy.pt",
+        "the behaviour-cloned policy (the task's default: pretrained here if missing)",
+    )
+    pretrain_if_missing: bool = option(
+        False, "pretrain at pretrained_checkpoint when it is missing (always at the default)"
     )
     num_envs: int = option(16, "environments stepped in the collector's process", minimum=1)
     decisions_per_batch: int = option(2, "decisions per env between update rounds", minimum=1)
@@ -92,8 +98,12 @@ class DSRLConfig(TaskOptions):
     reward_scale: float = option(10.0, "multiplies the summed chunk reward", above=0)
     # Evaluation, logging, checkpoints.
     eval_every_env_steps: int = option(20_000, "env steps between evaluations", minimum=1)
-    eval_episodes: int = option(50, "learning-curve episodes (curve seeds 10000+)", minimum=1)
-    held_out_episodes: int = option(200, "final protocol episodes (seeds 30000+)", minimum=1)
+    eval_episodes: int = option(
+        50, "learning-curve episodes (curve seeds 10000+)", minimum=1, maximum=SPLIT_SIZE
+    )
+    held_out_episodes: int = option(
+        200, "final protocol episodes (seeds 30000+)", minimum=1, maximum=SPLIT_SIZE
+    )
     reported_decoding: Literal["sampled", "noise_free"] = option(
         "noise_free", "DSRL's decoding reported on the held-out states (noise_free: mean noise)"
     )
@@ -101,9 +111,49 @@ class DSRLConfig(TaskOptions):
     checkpoint_every_env_steps: int = option(20_000, "env steps between checkpoints", minimum=1)
     loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
     resume: bool = option(False, "continue from output_dir/checkpoint.pt")
+    overwrite: bool = option(False, "replace the results (checkpoint, summary) in output_dir")
     threads: int = option(1, "torch CPU threads", minimum=1)
     device: str = option("cpu", "torch device of the policies, SAC, env tensors and buffer")
     pretrain: pretrain.PretrainConfig = pretrain.run_option()
+
+    def option_conflicts(self) -> list[str]:
+        """Options that contradict each other, one line each naming them."""
+        if self.resume and self.overwrite:
+            return ["--resume --overwrite: continue the run in output_dir, or replace it; not both"]
+        return []
+
+    def option_warnings(self) -> list[str]:
+        """Valid settings in which SAC cannot learn (warned about before any work)."""
+        if self.random_env_steps >= self.total_env_steps:
+            return [
+                f"--random_env_steps {self.random_env_steps}: not below --total_env_steps "
+                f"{self.total_env_steps}; every step acts with uniform noise and no SAC update "
+                "is made: the actor stays at its start"
+            ]
+        executed = planned_executed_chunk_length(self)
+        decisions = self.total_env_steps // executed
+        first = max(self.random_env_steps // executed, self.batch_size)  # updates start there
+        updates = int(self.utd_ratio * max(decisions - first, 0))
+        if self.critic_warmup_updates >= updates:
+            return [
+                f"--critic_warmup_updates {self.critic_warmup_updates}: the run makes about "
+                f"{updates} SAC updates ({decisions} decisions of {executed} steps, from the "
+                f"{first}th on, --utd_ratio {self.utd_ratio}), all of them the critics' "
+                "warm-up: the actor is never updated"
+            ]
+        return []
+
+
+def planned_executed_chunk_length(config: DSRLConfig) -> int:
+    """``H'`` of the run's policy: the pretrained checkpoint's, or that of the pretraining
+    that will make it."""
+    path = Path(config.pretrained_checkpoint)
+    if path.is_file():
+        try:
+            return load_checkpoint(path)["model_config"]["executed_chunk_length"]
+        except (KeyError, TypeError, ValueError):
+            pass  # not a policy checkpoint: loading it says so
+    return config.pretrain.model.executed_chunk_length
 
 
 # What --quick changes: the whole chain in under a minute.
@@ -310,10 +360,14 @@ def resume_dsrl_run(
     (for ``runs.restore_random_state``)."""
     saved = runs.resume_run(saved, learner.trained())
     runs.restore_replay_buffer(replay_buffer, saved)
-    for name in ("task", "model_config", "networks"):
+    for name in ("task", "model_config", "networks", *IDENTITY_EXTRAS):
         saved.pop(name, None)
     random_state = saved.pop("random_state")
     return Progress(**{**saved, "history": json.loads(saved["history"])}), random_state
+
+
+# The identity entries a checkpoint holds beside task, model_config and networks.
+IDENTITY_EXTRAS = ("seed", "pretrained_weights", "sampler")
 
 
 def make_replay_buffer(
@@ -356,7 +410,9 @@ def main(config: DSRLConfig) -> dict:
         policy.options = policy.options.replace(eval_num_denoising_steps=steps)
     checkpoint = output_dir / "checkpoint.pt"
     networks = {"hidden_dim": config.hidden_dim, "num_layers": config.num_layers}
-    identity = runs.run_identity(config.task, model_config, networks=networks)
+    origin = {"seed": config.seed, "pretrained_weights": weights_digest(policy.state_dict())}
+    identity = runs.run_identity(config.task, model_config, networks=networks, **origin)
+    identity["sampler"] = policy.options.to_dict()  # the frozen policy's decoding
     saved = runs.load_run(checkpoint, identity) if config.resume else None
     executed = model_config.executed_chunk_length
     max_decisions = reports.decisions_per_episode(config.max_episode_steps, executed)

@@ -31,6 +31,10 @@ scale the initial noise is drawn for ``N`` episodes, so their outcomes may diffe
 evaluation's (they are printed and written with the videos). Pass the pretrained and the
 fine-tuned checkpoint to see the same states before and after RL.
 
+Every option, list item, path and checkpoint is checked before the first evaluation
+(:func:`check_config`); an existing ``output_json`` (or video) is replaced only with
+``--overwrite``, and never when it is one of the inputs.
+
 Examples::
 
     python examples/evaluate.py --split validation --expert \\
@@ -44,6 +48,7 @@ Examples::
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -60,6 +65,7 @@ from torchrl_flowpolicy.envs.tasks import script_defaults
 from torchrl_flowpolicy.evaluation import evaluate_decodings, evaluate_episodes
 from torchrl_flowpolicy.models import SavedPolicy, load_policy_checkpoint
 from torchrl_flowpolicy.protocol import (
+    SPLIT_SIZE,
     format_protocol,
     protocol_summary,
     split_seed,
@@ -71,10 +77,11 @@ from torchrl_flowpolicy.reports import (
     outcome_summary,
     task_options,
 )
+from torchrl_flowpolicy.run_checks import check_input_file, check_not_an_input, check_output_file
 from torchrl_flowpolicy.runs import write_json
-from torchrl_flowpolicy.video import make_render_env, record_episodes
+from torchrl_flowpolicy.video import collect_frames, make_render_env, record_episodes
 
-from common import TaskOptions, option, parse_config
+from common import TaskOptions, option, parse_config, split_list, validate_config
 
 
 @dataclass
@@ -87,9 +94,13 @@ class EvaluateConfig(TaskOptions):
         "", "comma-separated m: also decode uniform noise in [-m, m]^(H x D)"
     )
     eval_num_denoising_steps: int = option(
-        0, "K of the deterministic ODE (0: the checkpoint's own, saved with its sampler settings)"
+        0,
+        "K of the deterministic ODE (0: the checkpoint's own, saved with its sampler settings)",
+        minimum=0,
     )
-    eval_episodes: int = option(50, "evaluation episodes (the first seeds of the split)")
+    eval_episodes: int = option(
+        50, "evaluation episodes (the first seeds of the split)", minimum=1, maximum=SPLIT_SIZE
+    )
     split: Literal["curve", "validation", "held_out"] = option(
         "validation",
         "seed range: curve (10000+, learning curves), validation (20000+, choices), "
@@ -103,18 +114,131 @@ class EvaluateConfig(TaskOptions):
         "sampled", "with --baseline: the checkpoints' headline decoding (chosen on validation)"
     )
     video_episodes: int = option(
-        0, "record the split's first N episodes of each evaluation to a video (0: none)"
+        0,
+        "record the split's first N episodes of each evaluation to a video (0: none)",
+        minimum=0,
+        maximum=SPLIT_SIZE,
     )
     video_dir: str = option("outputs/videos", "where the videos are written")
     video_format: Literal["gif", "mp4"] = option(
         "gif", "gif (Pillow; plays in a browser) or mp4 (OpenCV's mp4v; smaller)"
     )
-    video_size: int = option(256, "height and width of one episode's frames, pixels")
+    video_size: int = option(256, "height and width of one episode's frames, pixels", minimum=1)
     video_camera: str = option(
         "", "a named camera (lift: frontview, agentview, ...); empty: the task's default view"
     )
     output_json: str = option("outputs/evaluation.json", "where the rows are written")
-    threads: int = option(1, "torch CPU threads")
+    overwrite: bool = option(False, "replace an existing output_json and videos")
+    threads: int = option(1, "torch CPU threads", minimum=1)
+
+    def option_conflicts(self) -> list[str]:
+        """Options that contradict each other or are given without what reads them."""
+        rules = [
+            (
+                self.video_episodes == 0 and bool(self.video_camera),
+                f"--video_camera {self.video_camera}: only with --video_episodes N > 0",
+            ),
+            (
+                not self.baseline and self.reported_decoding != "sampled",
+                f"--reported_decoding {self.reported_decoding}: only with --baseline",
+            ),
+        ]
+        return [message for broken, message in rules if broken]
+
+
+@dataclass
+class Inputs:
+    """What the options of an evaluation name, parsed and checked (:func:`check_config`):
+    the loaded checkpoints (path -> ``SavedPolicy``), the scales and the noise bounds."""
+
+    policies: dict[str, SavedPolicy]
+    scales: list[float]
+    bounds: list[float]
+
+
+def check_config(config: EvaluateConfig) -> Inputs:
+    """Every option, path and checkpoint of ``config``, checked before any evaluation.
+
+    Raises:
+        ValueError: options out of bounds or contradicting each other, a list item that is
+            not a number (naming the option), a scale that is not finite and ``>= 0``, a
+            bound that is not finite and ``> 0``, no checkpoint (and no ``--expert``), an
+            output that is one of the inputs, a checkpoint of another task or kind, an
+            unknown ``--video_camera``.
+        FileNotFoundError, IsADirectoryError: a checkpoint path that is missing or a folder.
+        FileExistsError: an existing ``--output_json`` or video without ``--overwrite``.
+    """
+    validate_config(config)
+    checkpoints = split_list(config.checkpoints, "--checkpoints")
+    scales = split_list(config.eval_noise_scales, "--eval_noise_scales", float)
+    bounds = split_list(config.uniform_noise_bounds, "--uniform_noise_bounds", float)
+    for scale in scales:
+        if not (math.isfinite(scale) and scale >= 0):
+            raise ValueError(
+                f"--eval_noise_scales {config.eval_noise_scales}: {scale} is not >= 0."
+            )
+    for bound in bounds:
+        if not (math.isfinite(bound) and bound > 0):
+            raise ValueError(
+                f"--uniform_noise_bounds {config.uniform_noise_bounds}: {bound} is not > 0."
+            )
+    if not checkpoints and not config.expert:
+        raise ValueError(f"--checkpoints {config.checkpoints!r}: no checkpoint to evaluate.")
+    if checkpoints and not scales and not bounds:
+        raise ValueError("--eval_noise_scales and --uniform_noise_bounds are both empty.")
+    read = {
+        "--checkpoints": checkpoints,
+        "--baseline": [config.baseline] if config.baseline else [],
+    }
+    for option_name, paths in read.items():
+        for path in paths:
+            check_input_file(path, option_name)
+    videos = [
+        Path(config.video_dir) / f"{name}.{config.video_format}"
+        for name in video_names(config, checkpoints, scales)
+    ]
+    written = {"--output_json": [config.output_json], "--video_dir": videos}
+    check_not_an_input(written, read)
+    for option_name, paths in written.items():
+        for path in paths:
+            check_output_file(path, option_name, overwrite=config.overwrite)
+    policies = {path: load_checkpoint_policy(path, config) for path in checkpoints}
+    if config.baseline:
+        load_checkpoint_policy(config.baseline, config)
+    if config.video_episodes:
+        check_rendering(config)
+    return Inputs(policies, scales, bounds)
+
+
+def check_rendering(config: EvaluateConfig) -> None:
+    """Render one frame of the task as the videos will (an unknown ``--video_camera`` fails
+    here, not after the evaluations).
+
+    Raises:
+        ValueError: naming ``--video_camera`` and the renderer's error.
+    """
+    view = {"height": config.video_size, "width": config.video_size}
+    camera = config.video_camera or None
+    try:
+        env = make_render_env(config.task, 1, camera=camera, **view, **task_options(config))
+        try:
+            with collect_frames(env, 1):
+                env.reset()  # the first frame
+        finally:
+            env.close()
+    except Exception as error:
+        raise ValueError(
+            f"--video_episodes {config.video_episodes} --video_camera {config.video_camera!r}: "
+            f"rendering the task's first frame failed ({type(error).__name__}: {error})."
+        ) from error
+
+
+def video_names(config: EvaluateConfig, checkpoints: list[str], scales: list[float]) -> list[str]:
+    """The videos an evaluation records (:func:`video_name`; ``expert`` with ``--expert``)."""
+    if not config.video_episodes:
+        return []
+    names = [video_name(path, scale) for path in checkpoints for scale in scales]
+    return (["expert"] if config.expert else []) + names
 
 
 def load_checkpoint_policy(path: str, config: EvaluateConfig) -> SavedPolicy:
@@ -225,10 +349,9 @@ def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> lis
 
 
 def main(config: EvaluateConfig) -> list[dict]:
+    inputs = check_config(config)  # every option, path and checkpoint: before any evaluation
+    checkpoints, scales, bounds = list(inputs.policies), inputs.scales, inputs.bounds
     torch.set_num_threads(config.threads)
-    checkpoints = [path for path in config.checkpoints.split(",") if path]
-    scales = [float(scale) for scale in config.eval_noise_scales.split(",") if scale]
-    bounds = [float(bound) for bound in config.uniform_noise_bounds.split(",") if bound]
     seed = split_seed(config.split, config.eval_episodes)
     tqdm.write(f"split {config.split}: {config.eval_episodes} episodes from seed {seed}")
     rows, videos = [], []
@@ -239,7 +362,7 @@ def main(config: EvaluateConfig) -> list[dict]:
             videos.append(record_video(None, None, "expert", config))
     progress = tqdm(total=len(checkpoints) * (len(scales) + len(bounds)), desc="evaluations")
     for path in checkpoints:
-        policy, model_config, _, _ = load_checkpoint_policy(path, config)
+        policy, model_config, _, _ = inputs.policies[path]
         executed = model_config.executed_chunk_length
         max_decisions = decisions_per_episode(config.max_episode_steps, executed)
         env = make_eval_env(config, config.eval_episodes, executed)

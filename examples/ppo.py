@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +48,8 @@ from torchrl_flowpolicy import (
 from torchrl_flowpolicy.envs import decision_discount, get_task
 from torchrl_flowpolicy.loggers import MetricLogger, MetricWindow
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
+from torchrl_flowpolicy.protocol import SPLIT_SIZE
+from torchrl_flowpolicy.run_checks import weights_digest
 
 import pretrain
 from common import TaskOptions, check_run_config, option
@@ -63,7 +66,11 @@ class PPOConfig(TaskOptions):
     seed: int = option(0, "seeds torch, the environments and the pretraining", minimum=0)
     output_dir: str = option("outputs/ppo", "checkpoints, logs, plot and summary")
     pretrained_checkpoint: str = option(
-        "outputs/pretrain/policy.pt", "the behaviour-cloned policy (pretrained here if missing)"
+        "outputs/pretrain/policy.pt",
+        "the behaviour-cloned policy (the task's default: pretrained here if missing)",
+    )
+    pretrain_if_missing: bool = option(
+        False, "pretrain at pretrained_checkpoint when it is missing (always at the default)"
     )
     num_envs: int = option(16, "training environments (over all collector workers)", minimum=1)
     collector_workers: int = option(1, "collector processes (> 1: MultiSyncCollector)", minimum=1)
@@ -104,14 +111,19 @@ class PPOConfig(TaskOptions):
     critic_warmup_iterations: int = option(3, "first iterations train the critic only", minimum=0)
     # Evaluation, logging, checkpoints.
     eval_every: int = option(20, "iterations between deterministic evaluations", minimum=1)
-    eval_episodes: int = option(50, "learning-curve episodes (curve seeds 10000+)", minimum=1)
-    held_out_episodes: int = option(200, "final protocol episodes (seeds 30000+)", minimum=1)
+    eval_episodes: int = option(
+        50, "learning-curve episodes (curve seeds 10000+)", minimum=1, maximum=SPLIT_SIZE
+    )
+    held_out_episodes: int = option(
+        200, "final protocol episodes (seeds 30000+)", minimum=1, maximum=SPLIT_SIZE
+    )
     reported_decoding: Literal["sampled", "noise_free"] = option(
         "noise_free", "PPO's decoding reported on the held-out states (chosen on validation)"
     )
     checkpoint_every: int = option(20, "iterations between checkpoints", minimum=1)
     loggers: str = option("wandb,csv", "TorchRL loggers, comma-separated (wandb runs offline)")
     resume: bool = option(False, "continue from output_dir/checkpoint.pt")
+    overwrite: bool = option(False, "replace the results (checkpoint, summary) in output_dir")
     threads: int = option(2, "torch CPU threads", minimum=1)
     pretrain: pretrain.PretrainConfig = pretrain.run_option()
 
@@ -122,6 +134,10 @@ class PPOConfig(TaskOptions):
         bounds = (self.min_noise_std, self.initial_noise_std, self.max_noise_std)
         workers = f"--collector_workers {self.collector_workers} --collector_backend "
         rules = [
+            (
+                self.resume and self.overwrite,
+                "--resume --overwrite: continue the run in output_dir, or replace it; not both",
+            ),
             (
                 not fixed and not bounds[0] < bounds[1] < bounds[2],
                 "--noise learned needs --min_noise_std < --initial_noise_std < --max_noise_std, "
@@ -151,6 +167,27 @@ class PPOConfig(TaskOptions):
                 grpo and (self.collector_workers != 1 or self.collector_backend != "process"),
                 f"{workers}{self.collector_backend}: must be 1 and process with --advantage grpo "
                 "(the groups are reseeded from this process)",
+            ),
+        ]
+        return [message for broken, message in rules if broken]
+
+    def option_warnings(self) -> list[str]:
+        """Valid settings in which the actor cannot learn (warned about before any work)."""
+        per_batch = self.num_envs * self.episodes_per_batch * self.max_episode_steps
+        iterations = -(-self.total_env_steps // per_batch)
+        rules = [
+            (
+                self.noise == "fixed" and self.sampler.noise_level == 0,
+                "--sampler.noise_level 0: the fixed noise makes no denoising step stochastic; "
+                "every rollout is the ODE's, its log-probabilities are constant and the PPO "
+                "objective stays 0 (only --bc_coeff and --kl_coeff move the actor)",
+            ),
+            (
+                self.advantage == "gae" and self.critic_warmup_iterations >= iterations,
+                f"--critic_warmup_iterations {self.critic_warmup_iterations}: a run of "
+                f"full-length episodes makes {iterations} iteration(s) (--total_env_steps "
+                f"{self.total_env_steps} / {per_batch} per batch), all of them the critic's "
+                "warm-up: the actor is never updated",
             ),
         ]
         return [message for broken, message in rules if broken]
@@ -217,6 +254,27 @@ def training_envs(config: PPOConfig, executed_chunk_length: int) -> collectors.T
 
 
 # ----------------------------------------------------------------------------- policy, critic, loss
+def start_noise_head(policy: FlowSDEPolicy, config: PPOConfig) -> None:
+    """Drop the noise head of a pretrained checkpoint that has one (a ``--noise learned``
+    run's policy taken as a start), saying so: ``--noise fixed`` explores with the fixed
+    Flow-SDE noise (as its summary says), ``--noise learned`` with a fresh head."""
+    if policy.noise_head is None:
+        return
+    kept = (
+        "this --noise fixed run explores with the fixed Flow-SDE noise (--sampler.noise_level)"
+        if config.noise == "fixed"
+        else "this --noise learned run trains a fresh head (--initial_noise_std)"
+    )
+    warnings.warn(
+        f"--pretrained_checkpoint {config.pretrained_checkpoint} holds a learned noise head "
+        f"(a --noise learned run's policy); its flow is the start, its noise head is dropped: "
+        f"{kept}.",
+        UserWarning,
+        stacklevel=2,
+    )
+    policy.noise_head = None
+
+
 @dataclass
 class Learner:
     """What PPO trains, and what a run checkpoint holds (:meth:`trained`); no critic (``None``)
@@ -345,11 +403,15 @@ def save_ppo_run(
     model_config: models.ModelConfig,
     config: PPOConfig,
     run: runs.RunProgress,
+    start: dict[str, Any] | None = None,
 ) -> None:
     """The run checkpoint ``--resume`` reads (what the learner trains, the progress, the
-    advantage), from which ``load_policy`` also rebuilds the fine-tuned policy
-    (:func:`~torchrl_flowpolicy.models.save_policy_run`)."""
-    progress = {"task": config.task, "advantage": config.advantage, **run.state()}
+    advantage and ``start``: the seed and the pretrained weights' digest), from which
+    ``load_policy`` also rebuilds the fine-tuned policy
+    (:func:`~torchrl_flowpolicy.models.save_policy_run`, which records the sampler settings
+    and the noise)."""
+    progress = {"task": config.task, "advantage": config.advantage, **(start or {})}
+    progress |= run.state()
     models.save_policy_run(path, learner.trained(), learner.policy, model_config, **progress)
 
 
@@ -371,13 +433,18 @@ def main(config: PPOConfig) -> dict:
     policy, model_config, _, pretrained_state = pretrain.load_or_pretrain(
         config, config.sampler, device, pretrain_here=main_process
     )
+    start_noise_head(policy, config)
+    origin = {"seed": config.seed, "pretrained_weights": weights_digest(policy.state_dict())}
     bc_policy = copy.deepcopy(policy)
-    if config.noise == "learned":  # the pretrained policy has none
+    if config.noise == "learned":  # a fresh head
         low, high, initial = config.min_noise_std, config.max_noise_std, config.initial_noise_std
         policy.noise_head = models.build_noise_head(model_config, low, high, initial).to(device)
     checkpoint = output_dir / "checkpoint.pt"
     noise, advantage = models.noise_record(policy), config.advantage
-    identity = runs.run_identity(config.task, model_config, advantage=advantage, noise=noise)
+    identity = runs.run_identity(
+        config.task, model_config, advantage=advantage, noise=noise, **origin
+    )
+    identity["sampler"] = config.sampler.to_dict()
     saved = runs.load_run(checkpoint, identity, runs.IMPLIED_IDENTITY) if config.resume else None
     executed = model_config.executed_chunk_length
     max_decisions = reports.decisions_per_episode(config.max_episode_steps, executed)
@@ -455,14 +522,14 @@ def main(config: PPOConfig) -> dict:
         if main_process:  # rank 0's own diagnostics, loss_* as loss/*
             log({key.replace("loss_", "loss/"): row[key] for key in row}, run.env_steps)
         if main_process and run.iteration % config.checkpoint_every == 0:
-            save_ppo_run(checkpoint, learner, model_config, config, run)
+            save_ppo_run(checkpoint, learner, model_config, config, run, origin)
         bar.update(batch_steps)
     bar.close()
     collectors.shutdown_collector(collector, options, num_threads=config.threads)
     distributed.close_distributed()  # no collective call follows: rank 0 alone finishes
     if not main_process:
         return {}
-    save_ppo_run(checkpoint, learner, model_config, config, run)
+    save_ppo_run(checkpoint, learner, model_config, config, run, origin)
 
     # Evaluation: the final level (the last iteration's, evaluated unless it was), the
     # held-out protocol (BC and PPO under both decodings, the expert), plot, summary.json.

@@ -37,6 +37,7 @@ from torchrl_flowpolicy.models import (
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.objectives import FlowMatchingLoss
 from torchrl_flowpolicy.reports import decisions_per_episode, make_eval_env, task_options
+from torchrl_flowpolicy.run_checks import check_output_dir
 from torchrl_flowpolicy.runs import write_json
 from torchrl_flowpolicy.sampler import SamplerOptions
 
@@ -52,6 +53,7 @@ class PretrainConfig(TaskOptions):
     )
     output_dir: str = option("outputs/pretrain", "where the checkpoint and summary go")
     checkpoint_name: str = option("policy.pt", "file name of the checkpoint in output_dir")
+    overwrite: bool = option(False, "replace the checkpoint and summary that output_dir holds")
     demo_dir: str = option("outputs/demos", "demonstration cache (made by the scripted expert)")
     demo_episodes: int = option(
         5, "scripted-expert episodes to clone (few-shot: the start leaves RL real work)", minimum=1
@@ -82,6 +84,7 @@ RUN_SETTINGS = (
     "task",
     "output_dir",
     "checkpoint_name",
+    "overwrite",
     "max_episode_steps",
     "success_threshold",
     "reward",
@@ -93,7 +96,8 @@ EXCLUDE = tuple(f"model.{name}" for name in TASK_MODEL_FIELDS)
 
 
 def config_for_run(run: Any) -> PretrainConfig:
-    """``run.pretrain`` with the seed, task and checkpoint folder of a fine-tuning run.
+    """``run.pretrain`` with the seed, task, checkpoint folder and ``overwrite`` of a
+    fine-tuning run.
 
     ``run`` is the config of ``examples/ppo.py`` or ``examples/dsrl.py``; the result makes
     the checkpoint at ``run.pretrained_checkpoint``. ``run`` is not changed.
@@ -105,6 +109,7 @@ def config_for_run(run: Any) -> PretrainConfig:
         task=run.task,
         output_dir=str(Path(run.pretrained_checkpoint).parent),
         checkpoint_name=Path(run.pretrained_checkpoint).name,
+        overwrite=run.overwrite,
         max_episode_steps=run.max_episode_steps,
         success_threshold=run.success_threshold,
         reward=run.reward,
@@ -228,8 +233,25 @@ def evaluate_parity(policy: FlowSDEPolicy, config: PretrainConfig) -> dict[int, 
     return results
 
 
+def check_outputs(config: PretrainConfig) -> None:
+    """Refuse, before any work, outputs that would replace results this run did not make
+    (an output folder holding a checkpoint or summary, without ``--overwrite``) or that
+    collide (a checkpoint named like the summary, or not a plain file name)."""
+    name = config.checkpoint_name
+    if Path(name).name != name or name in ("", ".", "..", "summary.json"):
+        raise ValueError(
+            f"--checkpoint_name {name!r}: a plain file name other than summary.json "
+            "(the folder is --output_dir)."
+        )
+    results = (name, "summary.json")
+    check_output_dir(
+        config.output_dir, results, resume=False, overwrite=config.overwrite, resumable=False
+    )
+
+
 def main(config: PretrainConfig) -> dict:
     validate_config(config)  # a number out of bounds fails here, before any work
+    check_outputs(config)  # so does an output folder holding another run's results
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)

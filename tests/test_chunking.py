@@ -162,7 +162,7 @@ def test_bounded_reward_spec_is_widened_to_a_sum_of_rewards():
 
 
 def test_invalid_executed_chunk_length_is_rejected():
-    with pytest.raises(ValueError, match="executed_chunk_length must be >= 1"):
+    with pytest.raises(ValueError, match="executed_chunk_length must be an integer >= 1"):
         ChunkedAction(0)
 
 

@@ -386,6 +386,7 @@ def quick_dsrl_command(tmp_path: Path, *options: str) -> list[str]:
         "--quick",
         "--output_dir", str(tmp_path / "run"),
         "--pretrained_checkpoint", str(tmp_path / "pretrain" / "policy.pt"),
+        "--pretrain_if_missing",
         "--pretrain.demo_dir", str(tmp_path / "demos"),
         "--loggers", "csv",
         *options,

@@ -257,7 +257,9 @@ def test_compare_runs_averages_a_label_over_seeds_and_pairs_held_out_episodes(tm
     shifted = _method_summary(1, 0.6, 0.6, [1] * 20)
     shifted["history"][0]["env_steps"] = 1500
     (tmp_path / "shifted.json").write_text(json.dumps(shifted))
-    bad = command[: command.index("--runs") + 1] + [
+    bad = command[: command.index("--runs")] + [
+        "--overwrite",
+        "--runs",
         f"A={tmp_path / 'A0.json'}",
         f"A={tmp_path / 'shifted.json'}",
     ]
@@ -373,7 +375,7 @@ def test_pretraining_is_an_explicit_call_that_leaves_the_config_alone(
     module = load_example(script)
     config = module.parse_args(
         ["--quick", "--seed", "5", "--reward", "gymnasium", "--output_dir", str(tmp_path / "run"),
-         "--pretrained_checkpoint", str(tmp_path / "bc" / "bc_seed5.pt")]
+         "--pretrained_checkpoint", str(tmp_path / "bc" / "bc_seed5.pt"), "--pretrain_if_missing"]
     )  # fmt: skip
     before = copy.deepcopy(config)
     called = []

@@ -41,6 +41,7 @@ def command(output: Path, *extra: str, pretrained: Path | None = None) -> list[s
         str(output / "ppo"),
         "--pretrained_checkpoint",
         str(pretrained or output / "pretrain" / "policy.pt"),
+        "--pretrain_if_missing",
         "--pretrain.demo_dir",
         str(output / "demos"),
         *extra,

@@ -27,6 +27,7 @@ executed rows (``policy.executed_chunk_length``, the chunked environment's chunk
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from tensordict import TensorDictBase
@@ -164,8 +165,6 @@ class NoiseActionTransform(Transform):
         noise_key: NestedKey | None = None,
         decoded_action_key: NestedKey = DECODED_ACTION_KEY,
     ):
-        if not (math.isfinite(noise_bound) and noise_bound > 0):
-            raise ValueError(f"noise_bound must be a finite positive number, got {noise_bound}.")
         noise_key = action_key if noise_key is None else noise_key
         super().__init__(
             in_keys=[],
@@ -178,6 +177,28 @@ class NoiseActionTransform(Transform):
         self.action_key = action_key
         self.noise_key = noise_key
         self.decoded_action_key = decoded_action_key
+
+    @property
+    def noise_bound(self) -> float:
+        """``m``: a finite positive number, set before the transform joins an environment
+        (whose action spec is the box ``[-m, m]``)."""
+        return self.__dict__["_noise_bound"]
+
+    @noise_bound.setter
+    def noise_bound(self, value: float) -> None:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not (math.isfinite(value) and value > 0)
+        ):
+            raise ValueError(f"noise_bound must be a finite positive number, got {value!r}.")
+        if self.__dict__.get("_container") is not None and value != self.noise_bound:
+            raise ValueError(
+                f"noise_bound {value}: this NoiseActionTransform already belongs to an "
+                f"environment whose action spec is [-{self.noise_bound:g}, "
+                f"{self.noise_bound:g}]; build a new environment instead."
+            )
+        self.__dict__["_noise_bound"] = float(value)
 
     def train(self, mode: bool = True) -> NoiseActionTransform:
         super().train(mode)

@@ -70,6 +70,7 @@ __all__ = [
     "SavedPolicy",
     "policy_record",
     "noise_record",
+    "checkpoint_contents",
 ]
 
 
@@ -248,9 +249,17 @@ def load_policy_checkpoint(
         task: the task the policy must have been trained on (checked when given).
 
     Raises:
-        ValueError: ``task`` differs from the checkpoint's (naming both), or a corrupt file.
+        ValueError: ``task`` differs from the checkpoint's (naming both), a file that holds
+            no flow policy (a DSRL run's checkpoint, demonstrations: naming the file and
+            what it holds, :func:`checkpoint_contents`), or a corrupt file.
     """
     state = load_checkpoint(path)
+    if not isinstance(state, Mapping) or not {"policy", "model_config"} <= set(state):
+        raise ValueError(
+            f"the checkpoint at {path} holds {checkpoint_contents(state)}, not a flow policy "
+            '(its weights, "policy", and architecture, "model_config", as save_policy, '
+            "examples/pretrain.py's policy.pt and examples/ppo.py's checkpoint.pt hold them)."
+        )
     if task is not None:
         from torchrl_flowpolicy.envs import get_task  # the task registry, only when asked
 
@@ -274,6 +283,27 @@ def load_policy_checkpoint(
         policy.noise_head = build_noise_head(model_config, noise["min_std"], noise["max_std"])
     policy.load_state_dict(state["policy"])
     return SavedPolicy(policy, model_config, sampler, state)
+
+
+def checkpoint_contents(state: Any) -> str:
+    """What a loaded checkpoint holds, in words, for an error about a file of another kind.
+
+    Example:
+        >>> checkpoint_contents({"loss_module": {}, "replay_buffer": {}, "task": "pusher"})
+        "a DSRL run's checkpoint (examples/dsrl.py: SAC's noise actor and critics, its replay buffer)"
+    """
+    if not isinstance(state, Mapping):
+        return f"a {type(state).__name__}"
+    keys = set(state)
+    if "loss_module" in keys:
+        return (
+            "a DSRL run's checkpoint (examples/dsrl.py: SAC's noise actor and critics, its "
+            "replay buffer)"
+        )
+    if {"observation", "action", "episode"} <= keys:
+        return "demonstrations (observations, actions and episodes of a scripted expert)"
+    names = sorted(map(str, keys))
+    return "the entries " + ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
 
 
 def load_policy(

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 _SOURCES = {
     "BatchedGymEnv": "batched",
     "ChunkedAction": "chunking",
-    "ClampAction": "chunking",
+    "ClampAction": "clamping",
     "decision_discount": "chunking",
     "make_chunked_env": "chunking",
     "collect_demos": "pusher_demos",

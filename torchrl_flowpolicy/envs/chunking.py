@@ -39,6 +39,9 @@ from torchrl.data import Bounded, Composite, TensorSpec
 from torchrl.envs import Compose, EnvBase, TransformedEnv
 from torchrl.envs.transforms import MultiAction, Transform
 
+from torchrl_flowpolicy.envs.clamping import ClampAction
+from torchrl_flowpolicy.flow.sde import check_integer
+
 __all__ = ["ChunkedAction", "ClampAction", "make_chunked_env", "decision_discount"]
 
 #: Where :class:`ChunkedAction` writes the environment steps each decision executed.
@@ -101,8 +104,6 @@ class ChunkedAction(MultiAction):
         action_key: NestedKey | None = None,
         env_steps_key: NestedKey | None = ENV_STEPS_KEY,
     ):
-        if executed_chunk_length < 1:
-            raise ValueError(f"executed_chunk_length must be >= 1, got {executed_chunk_length}.")
         super().__init__(
             dim=1, stack_rewards=False, stack_observations=False, action_key=action_key
         )
@@ -113,6 +114,23 @@ class ChunkedAction(MultiAction):
         self._reward_sum: dict[NestedKey, Tensor] | None = None
         self._active: Tensor | None = None
         self._env_steps: Tensor | None = None
+
+    @property
+    def executed_chunk_length(self) -> int:
+        """``H'``, the rows executed per decision: an integer ``>= 1``, set before the
+        transform joins an environment (whose specs are built from it)."""
+        return self._executed_chunk_length
+
+    @executed_chunk_length.setter
+    def executed_chunk_length(self, value: int) -> None:
+        check_integer("executed_chunk_length", value, 1)
+        if _attached(self) and value != self.__dict__.get("_executed_chunk_length"):
+            raise ValueError(
+                f"executed_chunk_length {value}: this ChunkedAction already belongs to an "
+                f"environment whose specs hold {self._executed_chunk_length} rows; build a new "
+                "environment (make_chunked_env(env, executed_chunk_length)) instead."
+            )
+        self.__dict__["_executed_chunk_length"] = value
 
     # ------------------------------------------------------------------ specs
     def _action_key(self, action_keys: list[NestedKey]) -> NestedKey:
@@ -273,83 +291,9 @@ class ChunkedAction(MultiAction):
         return next_tensordict
 
 
-class ClampAction(Transform):
-    """Clamp the executed action to per-dimension bounds; keep the policy's action stored.
-
-    Flow policies write unbounded actions. This transform clamps the action the environment
-    executes to ``[low, high]`` elementwise, on the inverse (policy to environment) path only:
-    TorchRL applies inverse transforms to a shallow copy of the step's tensordict, so the
-    tensordict a rollout or a collector keeps holds the policy's unclamped ``"action"``, next
-    to its chain and log-probs, and rescoring them in the learner stays exact. The action
-    spec is left as it is (it already describes the box the environment accepts).
-
-    The bounds are the ``low`` / ``high`` of the environment's (bounded) action spec, per
-    dimension, or given explicitly. TorchRL's :class:`~torchrl.envs.transforms.ClipTransform`
-    does the same on the inverse path, but with scalar bounds only. On a chunked environment,
-    place it after :class:`ChunkedAction` (``make_chunked_env(..., clamp_actions=True)``): it
-    then clamps every row of the chunk; on an unwrapped environment, append it directly.
-
-    Args:
-        action_key: the action entry to clamp (default ``"action"``).
-
-    Keyword Args:
-        low: the lower bounds, a tensor broadcastable to the action (with ``high``); default:
-            the action spec's.
-        high: the upper bounds; default: the action spec's.
-
-    Raises:
-        ValueError: only one of ``low`` / ``high`` given, or ``low > high`` somewhere; at step
-            time, bounds read from an action spec that is not bounded.
-
-    Examples:
-        >>> from torchrl.envs import GymEnv
-        >>> env = TransformedEnv(GymEnv("HalfCheetah-v5"), ClampAction())
-        >>> td = env.reset().set("action", torch.full((6,), 3.0))
-        >>> td = env.step(td)
-        >>> td["action"].max().item()  # stored as written; HalfCheetah executed 1.0
-        3.0
-    """
-
-    def __init__(
-        self,
-        action_key: NestedKey = "action",
-        *,
-        low: Tensor | float | None = None,
-        high: Tensor | float | None = None,
-    ):
-        super().__init__(
-            in_keys=[], out_keys=[], in_keys_inv=[action_key], out_keys_inv=[action_key]
-        )
-        if (low is None) != (high is None):
-            raise ValueError("ClampAction takes both low and high, or neither (the spec's).")
-        if low is not None:
-            low, high = torch.as_tensor(low), torch.as_tensor(high)
-            if (low > high).any():
-                raise ValueError("ClampAction needs low <= high in every dimension.")
-        self.register_buffer("low", low)
-        self.register_buffer("high", high)
-
-    def _bounds(self) -> tuple[Tensor, Tensor]:
-        if self.low is not None:
-            return self.low, self.high
-        parent = self.parent
-        if parent is None:
-            raise RuntimeError(
-                "ClampAction reads its bounds from the environment's action spec: append it to "
-                "an environment, or pass low= and high=."
-            )
-        key = self.in_keys_inv[0]
-        spec = parent.full_action_spec[key]
-        if not isinstance(spec, Bounded):
-            raise ValueError(
-                f"ClampAction clamps to the bounds of the action spec, but the spec of {key!r} "
-                f"is {type(spec).__name__}, not bounded; pass low= and high=."
-            )
-        return spec.space.low, spec.space.high
-
-    def _inv_apply_transform(self, action: Tensor) -> Tensor:
-        low, high = self._bounds()
-        return action.clamp(low.to(action), high.to(action))
+def _attached(transform: Transform) -> bool:
+    """Whether ``transform`` already belongs to an environment (its specs are built)."""
+    return transform.__dict__.get("_container") is not None
 
 
 def make_chunked_env(

@@ -289,9 +289,23 @@ def make_pusher_env(
         )
         task = PusherTask(success_threshold=success_threshold, reward=reward)
         env = TransformedEnv(base, task)
+    if "camera_name" in gym_kwargs:  # gymnasium renders an unknown name from a free camera
+        first = base.envs[0] if num_envs is not None else base._env
+        _check_camera(first.unwrapped.model, gym_kwargs["camera_name"])
     if executed_chunk_length is not None:
         env = make_chunked_env(env, executed_chunk_length)
     return env
+
+
+def _check_camera(model: Any, name: str | None) -> None:
+    """Refuse a ``camera_name`` that the MuJoCo ``model`` does not define, naming those it
+    does (gymnasium's renderer would silently show a free camera instead)."""
+    cameras = [model.camera(index).name for index in range(model.ncam)]
+    if name is not None and name not in cameras:
+        raise ValueError(
+            f"unknown camera_name {name!r}: Pusher-v5's model defines {cameras or 'no camera'} "
+            "(camera=None renders the library's default view)."
+        )
 
 
 # ----------------------------------------------------------------------------- rendering

@@ -40,6 +40,8 @@ Shape glossary: ``B`` rows (environments), ``T`` decisions per row, ``N`` episod
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -56,21 +58,24 @@ def group_relative_advantage(returns: Tensor, group_ids: Tensor, *, eps: float =
 
     Groups are the distinct values of ``group_ids`` (any integers, in any order, of any
     size of at least 2); ``std_g`` has Bessel's correction. Computed in float64, returned in
-    ``returns``' dtype. One batched pass: no Python loop over the groups.
+    ``returns``' dtype when it is floating, else in torch's default floating dtype (integer
+    or boolean rewards, e.g. successes, give fractional advantages). One batched pass: no
+    Python loop over the groups.
 
     Args:
         returns: ``[*E]`` episode returns.
         group_ids: ``[*E]`` integer group of each episode.
 
     Keyword Args:
-        eps: added to each group's std.
+        eps: added to each group's std: a finite number ``>= 0``.
 
     Returns:
-        ``[*E]`` advantages.
+        ``[*E]`` advantages, floating.
 
     Raises:
         ValueError: mismatched shapes, non-integer group ids, a non-finite return, a group
-            with a single episode (its std is undefined), ``eps < 0``.
+            with a single episode (its std is undefined), an ``eps`` that is negative or not
+            finite.
 
     Examples:
         >>> returns = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
@@ -84,8 +89,7 @@ def group_relative_advantage(returns: Tensor, group_ids: Tensor, *, eps: float =
         )
     if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
         raise ValueError(f"group_ids must be integers, got {group_ids.dtype}.")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}.")
+    check_eps(eps)
     if not torch.isfinite(returns).all():
         bad = int((~torch.isfinite(returns)).sum())
         raise ValueError(f"{bad} of {returns.numel()} episode returns are not finite.")
@@ -105,7 +109,19 @@ def group_relative_advantage(returns: Tensor, group_ids: Tensor, *, eps: float =
     lowest = zeros.scatter_reduce(0, group, flat_returns, "amin", include_self=False)
     advantage = centered / (std[group] + eps)
     advantage = torch.where((highest == lowest)[group], torch.zeros_like(advantage), advantage)
-    return advantage.to(returns.dtype).reshape(returns.shape)
+    dtype = returns.dtype if returns.is_floating_point() else torch.get_default_dtype()
+    return advantage.to(dtype).reshape(returns.shape)
+
+
+def check_eps(eps: object) -> None:
+    """Refuse an ``eps`` that is not a finite real number ``>= 0`` (NaN would pass ``eps <
+    0`` and make every advantage NaN), naming it."""
+    if (
+        isinstance(eps, bool)
+        or not isinstance(eps, numbers.Real)
+        or not (math.isfinite(eps) and eps >= 0)
+    ):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}.")
 
 
 def first_episode_mask(done: Tensor) -> Tensor:
@@ -196,8 +212,7 @@ class GroupRelativeAdvantage(TensorDictModuleBase):
 
     def __init__(self, *, eps: float = 1e-6):
         super().__init__()
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps}.")
+        check_eps(eps)
         self.eps = float(eps)
         self.tensor_keys = self._AcceptedKeys()
         self._set_in_out_keys()
