@@ -183,7 +183,8 @@ def check_pretrained_checkpoint(config: Any) -> None:
         run_checks.check_input_file(path, "--pretrained_checkpoint", hint)
         return
     default = get_task(config.task).pretrained_checkpoint
-    if not config.pretrain_if_missing and path != Path(default):
+    defaults = (Path(default), Path(quick_path(default)))  # --quick's own (parse_config)
+    if not config.pretrain_if_missing and path not in defaults:
         raise FileNotFoundError(
             f"--pretrained_checkpoint {path}: no such file. Only the task's default "
             f"({default}) is pretrained when missing: fix the path, or pass "
@@ -295,6 +296,41 @@ def _with_option(config: Any, name: str, value: Any) -> Any:
     return config
 
 
+#: Where ``--quick`` puts a script's default outputs and pretrained start.
+QUICK_FOLDER = "outputs/quick"
+# The path options that --quick moves under QUICK_FOLDER when the command line names none.
+_QUICK_PATH_OPTIONS = ("output_dir", "pretrained_checkpoint")
+
+
+def quick_path(path: str) -> str:
+    """A default path of a full run as ``--quick`` uses it, under :data:`QUICK_FOLDER`: a
+    quick run never writes over a full run's results, nor starts a full run from its short
+    pretraining.
+
+    Example:
+        >>> quick_path("outputs/pretrain_lift/policy.pt")
+        'outputs/quick/pretrain_lift/policy.pt'
+    """
+    parts = Path(path).parts
+    return str(Path(QUICK_FOLDER, *(parts[1:] if parts[:1] == ("outputs",) else parts)))
+
+
+def _quick_paths(
+    config_class: type, values: Mapping[str, Any], typed: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``--quick``'s paths: each default of :data:`_QUICK_PATH_OPTIONS` under
+    :data:`QUICK_FOLDER`; a quick run in the quick folder replaces an earlier quick run's
+    results (``overwrite``) unless it resumes one. Paths on the command line are kept."""
+    fields = {field.name: field for field in dataclasses.fields(config_class)}
+    moved = {}
+    for name in _QUICK_PATH_OPTIONS:
+        if name in fields and name not in typed:
+            moved[name] = quick_path(values.get(name, fields[name].default))
+    if "output_dir" in moved and "overwrite" in fields and "overwrite" not in typed:
+        moved["overwrite"] = not values.get("resume", False)
+    return moved
+
+
 def parse_config(
     config_class: type[Config],
     argv: Sequence[str] | None = None,
@@ -305,7 +341,8 @@ def parse_config(
     exclude: Collection[str] = (),
 ) -> Config:
     """The config of one run: ``config_class``'s defaults, then those of the chosen
-    ``--task``, then ``--quick``, then ``argv``.
+    ``--task``, then ``--quick`` (its default paths under :data:`QUICK_FOLDER`), then
+    ``argv``.
 
     Args:
         config_class: a dataclass whose fields (nested dataclasses too) are :func:`option`.
@@ -335,11 +372,14 @@ def parse_config(
     _add_options(parser, parser, config_class, "", quick or {}, exclude, task_defaults or {})
     typed = vars(parser.parse_args(argv))  # only the options on the command line
     task = typed.get("task", getattr(config_class, "task", None))
+    is_quick = typed.pop("quick", False)
     values = {
         **(task_defaults or {}).get(task, {}),
-        **(quick if typed.pop("quick", False) else {}),
+        **(quick if is_quick else {}),
         **typed,
     }
+    if is_quick:
+        values.update(_quick_paths(config_class, values, typed))
     config = config_class(**{name: value for name, value in values.items() if "." not in name})
     for name, value in values.items():
         if "." in name:

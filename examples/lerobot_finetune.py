@@ -14,9 +14,11 @@ Runs in ``.venv-lerobot`` (``bash scripts/setup_lerobot_env.sh``), offline. Top 
    copy of the result is the protocol's start (BC);
 5. PPO with ``DenoisingClipPPOLoss`` through the bridge (``flow_policy_from_lerobot``: the
    same LeRobot object as a ``FlowSDEPolicy``), GAE over decisions, a value network on
-   the normalised state;
+   the normalised state; as in ``examples/ppo.py``, the last denoising steps explore
+   (``--sde_mode last``) and the episodes that succeeded are imitated (``--bc_coeff``);
 6. the held-out protocol (``reports.held_out_protocol``): BC and PPO under both decodings
-   beside the clean expert on the same episodes, with Wilson and paired bootstrap intervals;
+   beside the clean expert on the same episodes, with Wilson and paired bootstrap intervals
+   (``--split validation``: the same protocol on the validation states, to choose settings);
 7. LeRobot's ``save_pretrained`` of the fine-tuned policy (with the normalisation
    statistics), reloaded with its ``from_pretrained``; its ``predict_action_chunk`` from
    the same noise is compared with the bridge's chunk.
@@ -59,6 +61,7 @@ from torchrl.objectives import ValueEstimators  # noqa: E402
 from torchrl_flowpolicy.collectors import make_task_env  # noqa: E402
 from torchrl_flowpolicy.data import make_chunk_dataset  # noqa: E402
 from torchrl_flowpolicy.envs import decision_discount, get_task  # noqa: E402
+from torchrl_flowpolicy.episodes import episode_success_flags  # noqa: E402
 from torchrl_flowpolicy.integrations.lerobot import flow_policy_from_lerobot  # noqa: E402
 from torchrl_flowpolicy.integrations.lerobot_models import (  # noqa: E402
     ModelSizes,
@@ -72,12 +75,15 @@ from torchrl_flowpolicy.reports import (  # noqa: E402
     held_out_protocol,
     task_options,
 )
+from torchrl_flowpolicy.run_checks import check_output_dir  # noqa: E402
 from torchrl_flowpolicy.runs import write_json  # noqa: E402
 from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
 
 from common import TaskOptions, option, parse_config  # noqa: E402
 
 CAMERA = "observation.images.top"
+# What a run leaves in its --output_dir (refused there without --overwrite).
+RESULTS = ("summary.json", "lerobot_policy")
 # Where the environment transform writes LeRobot's inputs (the env's own "observation" is
 # the flat Pusher state, so LeRobot's dotted names go under "lerobot").
 KEYS = {
@@ -98,7 +104,8 @@ class FinetuneConfig(TaskOptions):
         minimum=0,
     )
     output_dir: str = option("outputs/lerobot_finetune", "summary and LeRobot checkpoint")
-    demo_episodes: int = option(5, "noisy scripted-expert episodes to clone", minimum=1)
+    overwrite: bool = option(False, "replace the summary and checkpoint that output_dir holds")
+    demo_episodes: int = option(20, "noisy scripted-expert episodes to clone", minimum=1)
     demo_action_noise: float = option(0.3, "std of the noise on the expert's torques", minimum=0)
     chunk_length: int = option(8, "H: LeRobot's chunk_size", minimum=1)
     executed_chunk_length: int = option(4, "H': LeRobot's n_action_steps", minimum=1)
@@ -113,6 +120,14 @@ class FinetuneConfig(TaskOptions):
     epochs: int = option(4, "passes over each batch", minimum=1)
     minibatch_size: int = option(304, "decisions per minibatch", minimum=1)
     noise_level: float = option(0.5, "a: the Flow-SDE's exploration noise", minimum=0)
+    sde_mode: Literal["mixed", "last"] = option(
+        "last", "stochastic steps: one random step (mixed) or the last num_sde_steps"
+    )
+    num_sde_steps: int = option(4, "how many steps sde_mode last makes stochastic", minimum=1)
+    rollout_noise_scale: float = option(
+        1.0, "std of a rollout's x_0 (0: explore around the noise-free chunk)", minimum=0
+    )
+    bc_coeff: float = option(0.1, "self-imitation on successful episodes (0: off)", minimum=0)
     actor_learning_rate: float = option(3e-5, "Adam on the LeRobot policy", above=0)
     critic_learning_rate: float = option(1e-3, "Adam on the value network", above=0)
     critic_warmup_iterations: int = option(3, "first iterations train the critic only", minimum=0)
@@ -120,6 +135,9 @@ class FinetuneConfig(TaskOptions):
     gamma: float = option(0.99, "discount per environment step", minimum=0, maximum=1)
     gae_lambda: float = option(0.95, "GAE lambda over decisions", minimum=0, maximum=1)
     held_out_episodes: int = option(100, "final protocol episodes (held-out seeds)", minimum=1)
+    split: Literal["held_out", "validation"] = option(
+        "held_out", "the protocol's states: validation to choose settings on, held_out to report"
+    )
     reported_decoding: Literal["sampled", "noise_free"] = option(
         "noise_free", "PPO's decoding reported on the held-out states (as examples/ppo.py)"
     )
@@ -243,6 +261,10 @@ def pretrain(lerobot_policy, dataset, stats, config: FinetuneConfig, image_size:
 
 
 def main(config: FinetuneConfig) -> dict:
+    # Before any work: never replace another run's results without --overwrite.
+    check_output_dir(
+        config.output_dir, RESULTS, resume=False, overwrite=config.overwrite, resumable=False
+    )
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)
@@ -304,7 +326,12 @@ def main(config: FinetuneConfig) -> dict:
     final_bc_loss = pretrain(lerobot_policy, dataset, stats, config, image_size)
     steps = config.num_denoising_steps
     options = SamplerOptions(
-        num_denoising_steps=steps, eval_num_denoising_steps=steps, noise_level=config.noise_level
+        num_denoising_steps=steps,
+        eval_num_denoising_steps=steps,
+        noise_level=config.noise_level,
+        sde_mode=config.sde_mode,
+        num_sde_steps=min(config.num_sde_steps, steps - 1),
+        rollout_noise_scale=config.rollout_noise_scale,
     )
     bc_policy = flow_policy_from_lerobot(
         copy.deepcopy(lerobot_policy), options=options, observation_keys=KEYS
@@ -324,7 +351,12 @@ def main(config: FinetuneConfig) -> dict:
         out_keys=["state_value"],
     )
     loss_module = DenoisingClipPPOLoss(
-        policy, critic, clip_epsilon=(0.2, 0.28), normalize_advantage=True, loss_critic_type="l2"
+        policy,
+        critic,
+        clip_epsilon=(0.2, 0.28),
+        normalize_advantage=True,
+        loss_critic_type="l2",
+        bc_coeff=config.bc_coeff,
     )
     loss_module.make_value_estimator(
         ValueEstimators.GAE,
@@ -342,6 +374,8 @@ def main(config: FinetuneConfig) -> dict:
         with set_exploration_type(ExplorationType.RANDOM), torch.no_grad():
             batch = env.rollout(decisions, policy, break_when_any_done=False)
         batch["next", "reward"] = batch["next", "reward"] * config.reward_scale
+        if config.bc_coeff > 0:  # every decision of an episode that ended in success
+            batch["success"] = episode_success_flags(batch)
         with torch.no_grad():
             loss_module.value_estimator(batch)
         flat = batch.reshape(-1)
@@ -354,7 +388,8 @@ def main(config: FinetuneConfig) -> dict:
                 clip_fractions.append(losses["clip_fraction"].item())
                 actor_optimiser.zero_grad(set_to_none=True)
                 critic_optimiser.zero_grad(set_to_none=True)
-                actor_loss = losses["loss_objective"] if train_actor else 0.0
+                actor_loss = losses["loss_objective"] + losses.get("loss_bc", 0.0)
+                actor_loss = actor_loss if train_actor else 0.0
                 (losses["loss_critic"] + actor_loss).backward()
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
                 critic_optimiser.step()
@@ -378,7 +413,13 @@ def main(config: FinetuneConfig) -> dict:
     # 5. Held-out protocol: BC and PPO under both decodings, the expert, paired intervals.
     eval_env = make_env(config, task.eval_envs(config.held_out_episodes), stats, image_size)
     protocol = held_out_protocol(
-        bc_policy, policy, config, config.executed_chunk_length, name="PPO", env=eval_env
+        bc_policy,
+        policy,
+        config,
+        config.executed_chunk_length,
+        name="PPO",
+        env=eval_env,
+        split=config.split,
     )
     eval_env.close()
     print(protocol["line"])

@@ -45,6 +45,7 @@ from torchrl_flowpolicy.checkpoint import atomic_write
 from torchrl_flowpolicy.envs import make_chunked_env
 from torchrl_flowpolicy.flow import sigma_grid, step_coefficients
 from torchrl_flowpolicy.networks import ActionExpertTransformer, ObservationEncoder
+from torchrl_flowpolicy.run_checks import check_output_dir
 from torchrl_flowpolicy.sampler import SamplerOptions
 
 from common import option, parse_config
@@ -83,6 +84,7 @@ class SamplerDemoConfig:
     threads: int = option(1, "torch CPU threads (1 is fastest for these small networks)")
     device: str = option("cpu", "device of the policy; the environments run on the CPU")
     output_dir: str = option("outputs/sampler_demo", "folder for summary.json")
+    overwrite: bool = option(False, "replace the summary.json that output_dir holds")
 
 
 def make_env(config: SamplerDemoConfig) -> EnvBase:
@@ -271,6 +273,14 @@ def evaluate(policy: FlowSDEPolicy, config: SamplerDemoConfig) -> dict:
 
 def main(config: SamplerDemoConfig) -> dict:
     print("config:", json.dumps(dataclasses.asdict(config)))
+    # Before any work: never replace another run's summary without --overwrite.
+    check_output_dir(
+        config.output_dir,
+        ("summary.json",),
+        resume=False,
+        overwrite=config.overwrite,
+        resumable=False,
+    )
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
 

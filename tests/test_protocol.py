@@ -319,3 +319,9 @@ def test_examples_protocol_helpers_leave_the_random_stream_alone(example):
     )
     assert held_out["reported_decoding"] == "noise_free"
     assert held_out["line"].startswith("PPO (noise-free)")
+    # The same protocol on the validation states (to choose settings on), seeded there.
+    validation = held_out_protocol(bc, rl, config, 2, name="PPO", split="validation")
+    assert (validation["split"], validation["seed"]) == ("validation", 20_000)
+    assert validation["episode_success"]["expert"] != held_out["episode_success"]["expert"] or (
+        validation["mean_return"]["expert"] != held_out["mean_return"]["expert"]
+    )

@@ -109,6 +109,18 @@ def test_pretraining_refuses_a_folder_holding_another_pretraining(tmp_path, monk
         pretrain.main(dataclasses.replace(config, overwrite=True))
 
 
+def test_sampler_demo_refuses_a_folder_holding_a_summary(tmp_path, monkeypatch):
+    demo = load_example("sampler_demo")
+    (tmp_path / "summary.json").write_text("{}")  # another run's
+    monkeypatch.setattr(demo, "SerialEnv", stop)  # its first work
+    config = demo.SamplerDemoConfig(output_dir=str(tmp_path))
+    with pytest.raises(FileExistsError, match="summary.json.*--overwrite"):
+        demo.main(config)
+    assert (tmp_path / "summary.json").read_text() == "{}"
+    with pytest.raises(Stop):  # --overwrite: on to the work
+        demo.main(dataclasses.replace(config, overwrite=True))
+
+
 def test_a_runs_pretraining_never_writes_over_another_pretrainings_summary(tmp_path, no_work):
     ppo = load_example("ppo")
     (tmp_path / "bc").mkdir()
@@ -280,6 +292,32 @@ def test_the_default_pretrained_checkpoint_is_still_pretrained_when_missing(
     module = load_example(script)
     with pytest.raises(Stop):
         module.main(module.parse_args(["--quick", "--loggers", ""]))
+
+
+@pytest.mark.parametrize("script", ["ppo", "dsrl"])
+def test_quick_runs_never_touch_a_full_runs_files(script, tmp_path, no_work, monkeypatch):
+    # A --quick run used to write its 150-step pretraining at the default checkpoint (where
+    # the full run then started from it) and, after a full run, was refused its folder.
+    monkeypatch.chdir(tmp_path)
+    module = load_example(script)
+    full = module.parse_args([])
+    Path(full.output_dir).mkdir(parents=True)
+    (Path(full.output_dir) / "summary.json").write_text("{}")  # a finished full run
+    quick = module.parse_args(["--quick", "--loggers", ""])
+    assert Path(quick.output_dir) == Path("outputs/quick") / Path(full.output_dir).name
+    assert quick.pretrained_checkpoint == "outputs/quick/pretrain/policy.pt"
+    with pytest.raises(Stop):  # its pretraining runs into the quick folder
+        module.main(quick)
+    assert (Path(full.output_dir) / "summary.json").read_text() == "{}"
+    assert not Path(full.pretrained_checkpoint).exists()
+    Path(quick.output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(quick.output_dir) / "summary.json").write_text("{}")  # an earlier quick run
+    with pytest.raises(Stop):  # replaced: the quick folder holds quick runs only
+        module.main(module.parse_args(["--quick", "--loggers", ""]))
+    with pytest.raises(FileExistsError, match="--overwrite"):  # a folder named by the user
+        module.main(
+            module.parse_args(["--quick", "--loggers", "", "--output_dir", quick.output_dir])
+        )
 
 
 @pytest.mark.parametrize("script", ["ppo", "dsrl"])

@@ -29,7 +29,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from tensordict.nn import TensorDictModuleBase
@@ -166,6 +166,7 @@ def held_out_protocol(
     name: str = "RL",
     device: torch.device | str | None = None,
     env: EnvBase | None = None,
+    split: Literal["held_out", "validation"] = "held_out",
 ) -> dict[str, Any]:
     """The evaluation protocol on ``config.held_out_episodes`` held-out episodes.
 
@@ -177,8 +178,10 @@ def held_out_protocol(
     :func:`~torchrl_flowpolicy.protocol.format_protocol`'s sentence about ``name``.
     ``device``: the policies' device (that of BC's environment). ``env``: BC's environment
     (default: :func:`make_eval_env`'s; one passed here is the caller's to close).
+    ``split="validation"`` runs the same protocol on the validation seeds (to choose settings
+    on; the number it gives is not a result).
     """
-    seed = split_seed("held_out", config.held_out_episodes)
+    seed = split_seed(split, config.held_out_episodes)
     max_decisions = decisions_per_episode(config.max_episode_steps, executed_chunk_length)
     own_env = env is None
     if own_env:
@@ -194,7 +197,7 @@ def held_out_protocol(
         env.close()
     expert = evaluate_task_expert(config, config.held_out_episodes, seed)
     summary = protocol_summary(bc, rl, expert, reported_decoding=config.reported_decoding)
-    return {"split": "held_out", "seed": seed, "line": format_protocol(summary, name), **summary}
+    return {"split": split, "seed": seed, "line": format_protocol(summary, name), **summary}
 
 
 def run_summary(

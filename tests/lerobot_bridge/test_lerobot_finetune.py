@@ -39,3 +39,25 @@ def test_quick_finetune_runs_end_to_end(tmp_path, monkeypatch):
     checkpoint = tmp_path / "lerobot_policy"
     assert (checkpoint / "config.json").exists() and (checkpoint / "model.safetensors").exists()
     assert json.loads((tmp_path / "summary.json").read_text())["protocol"] == protocol
+
+
+@pytest.mark.parametrize("result", ["summary.json", "lerobot_policy"])
+def test_finetune_refuses_a_folder_holding_another_runs_results(result, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import lerobot_finetune
+
+    class Stop(Exception):
+        """The run got past the output check."""
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    (tmp_path / result).mkdir() if result == "lerobot_policy" else (tmp_path / result).touch()
+    config = lerobot_finetune.FinetuneConfig(output_dir=str(tmp_path))
+    monkeypatch.setattr(lerobot_finetune, "get_task", stop)  # the run's first work
+    with pytest.raises(FileExistsError, match=f"{result}.*--overwrite"):
+        lerobot_finetune.main(config)
+    with pytest.raises(Stop):  # --overwrite: on to the work
+        lerobot_finetune.main(
+            lerobot_finetune.FinetuneConfig(output_dir=str(tmp_path), overwrite=True)
+        )
