@@ -115,7 +115,7 @@ class FinetuneConfig(TaskOptions):
     pretrain_steps: int = option(3000, "steps of LeRobot's flow-matching loss", minimum=1)
     pretrain_batch_size: int = option(256, "chunks per behaviour-cloning minibatch", minimum=1)
     pretrain_learning_rate: float = option(3e-4, "AdamW, cosine decay", above=0)
-    iterations: int = option(40, "PPO iterations (one episode per environment each)", minimum=1)
+    iterations: int = option(60, "PPO iterations (one episode per environment each)", minimum=1)
     num_envs: int = option(16, "training environments", minimum=1)
     epochs: int = option(4, "passes over each batch", minimum=1)
     minibatch_size: int = option(304, "decisions per minibatch", minimum=1)
@@ -125,7 +125,7 @@ class FinetuneConfig(TaskOptions):
     )
     num_sde_steps: int = option(4, "how many steps sde_mode last makes stochastic", minimum=1)
     rollout_noise_scale: float = option(
-        1.0, "std of a rollout's x_0 (0: explore around the noise-free chunk)", minimum=0
+        0.0, "std of a rollout's x_0 (0: explore around the noise-free chunk)", minimum=0
     )
     bc_coeff: float = option(0.1, "self-imitation on successful episodes (0: off)", minimum=0)
     actor_learning_rate: float = option(3e-5, "Adam on the LeRobot policy", above=0)
