@@ -6,6 +6,6 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 
 # -m "slow or not slow": run the slow tests too, whatever a configuration file deselects.
-python -m pytest tests -m "slow or not slow" "$@"
+python -m pytest tests -m "slow or not slow" --durations=25 "$@"
 mkdocs build --strict --quiet --site-dir site
 echo "[docs] mkdocs build --strict: ok (site/)"
