@@ -16,10 +16,8 @@ Run ``python benchmarks/bench_collectors.py --task lift`` (or ``--task pusher``)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -35,6 +33,8 @@ from torchrl_flowpolicy.envs import TASKS, get_task
 from torchrl_flowpolicy.models import ModelConfig, build_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.reports import decisions_per_episode
+from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.runs import write_json
 
 
 def time_collector(collector, batches: int) -> float:
@@ -47,15 +47,16 @@ def time_collector(collector, batches: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="pusher", choices=sorted(TASKS))
     parser.add_argument("--num-envs", type=int, default=16)
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="2 rounds of 2 batches")
-    parser.add_argument("--output", default=None, help="write the results as JSON")
-    args = parser.parse_args()
+    add_output_options(parser, "write the results as JSON")
+    args = parser.parse_args(argv)
+    check_output_option(parser, args)
     if args.quick:
         args.rounds, args.batches = 2, 2
     torch.set_num_threads(1)
@@ -100,7 +101,7 @@ def main() -> None:
         f"({result['ratio_min']:.2f}-{result['ratio_max']:.2f}, {args.rounds} rounds)"
     )
     if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
+        write_json(args.output, result)
 
 
 if __name__ == "__main__":

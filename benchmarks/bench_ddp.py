@@ -63,6 +63,8 @@ from torchrl_flowpolicy.distributed import close_distributed, init_distributed
 from torchrl_flowpolicy.models import ModelConfig, build_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.reports import decisions_per_episode
+from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.runs import write_json
 
 ppo = load_example("ppo")  # the example's own learner is what is timed
 
@@ -261,8 +263,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--two-threads", action="store_true", help="also time one process with two threads"
     )
-    parser.add_argument("--output", default=None, help="write the results as JSON to this path")
-    return parser.parse_args(argv)
+    add_output_options(parser)
+    arguments = parser.parse_args(argv)
+    check_output_option(parser, arguments)
+    return arguments
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -292,7 +296,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             "quick": arguments.quick,
             "rows": [asdict(row) for row in rows],
         }
-        Path(arguments.output).write_text(json.dumps(payload, indent=2))
+        write_json(arguments.output, payload)
         print(f"wrote {arguments.output}")
     return rows
 

@@ -40,7 +40,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -59,6 +58,8 @@ from torchrl.modules import MLP, ProbabilisticActor, TanhNormal
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.envs.chunking import ClampAction, make_chunked_env
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
+from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.runs import write_json
 from torchrl_flowpolicy.sampler import SamplerOptions
 
 ENV_NAME = "HalfCheetah-v5"
@@ -384,8 +385,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 batch")
-    parser.add_argument("--output", default=None, help="write the results as JSON")
+    add_output_options(parser, "write the results as JSON")
     args = parser.parse_args(argv)
+    check_output_option(parser, args)
     if args.quick:
         args.rounds, args.batches, args.component_rounds, args.calls = 2, 1, 4, 20
     return args
@@ -414,8 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
         "floor": {str(chunk): row for chunk, row in summary.items()},
     }
     if args.output:
-        with open(args.output, "w") as file:
-            json.dump(result, file, indent=2)
+        write_json(args.output, result)
     return result
 
 

@@ -12,7 +12,6 @@ per second and the ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -20,6 +19,8 @@ import torch
 from torchrl.envs import SerialEnv, TransformedEnv
 
 from torchrl_flowpolicy.envs import BatchedGymEnv, PusherTask, make_chunked_env, make_pusher_env
+from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.runs import write_json
 
 CHUNK = 4
 HORIZON = 150
@@ -42,13 +43,14 @@ def steps_per_second(env, num_envs: int, decisions: int) -> float:
     return num_envs * decisions * CHUNK / (time.perf_counter() - start)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-envs", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", default=None, help="write the results as JSON")
-    arguments = parser.parse_args()
+    add_output_options(parser, "write the results as JSON")
+    arguments = parser.parse_args(argv)
+    check_output_option(parser, arguments)
     torch.set_num_threads(1)
     rounds = 2 if arguments.quick else arguments.rounds
     decisions = 10 if arguments.quick else HORIZON // CHUNK
@@ -65,8 +67,7 @@ def main() -> None:
         print(f"{name:<15} {value:>22.0f}")
     print(f"ratio BatchedGymEnv / SerialEnv: {ratio:.2f} ({arguments.num_envs} envs)")
     if arguments.output:
-        with open(arguments.output, "w") as file:
-            json.dump({"rates": rates, "medians": medians, "ratio": ratio}, file, indent=2)
+        write_json(arguments.output, {"rates": rates, "medians": medians, "ratio": ratio})
     for env in envs.values():
         env.close()
 

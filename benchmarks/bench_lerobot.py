@@ -55,7 +55,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -75,6 +74,8 @@ from torchrl_flowpolicy.integrations.lerobot_models import (  # noqa: E402
     random_lerobot_policy,
 )
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
+from torchrl_flowpolicy.run_checks import add_output_options, check_output_option  # noqa: E402
+from torchrl_flowpolicy.runs import write_json  # noqa: E402
 from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
 
 CAMERA = "observation.images.top"
@@ -418,10 +419,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
-    parser.add_argument("--output", type=Path, default=None, help="also write the rows as JSON")
+    add_output_options(parser, "also write the rows as JSON")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     parser.add_argument("--bf16", action="store_true", help="the backbone in bfloat16")
     args = parser.parse_args(argv)
+    check_output_option(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds = args.rounds or (2 if args.quick else 5)
@@ -451,7 +453,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "device": args.device,
             "bf16": args.bf16,
         }
-        args.output.write_text(json.dumps({"settings": settings_out, "rows": rows}, indent=2))
+        write_json(args.output, {"settings": settings_out, "rows": rows})
     return rows
 
 

@@ -40,7 +40,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -57,6 +56,8 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
 from torchrl_flowpolicy.policy import FlowSDEPolicy
+from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.runs import write_json
 from torchrl_flowpolicy.sampler import SamplerOptions
 
 from benchmark_networks import ACTION_SHAPE, NETWORKS, OBSERVATION_DIM, build_networks
@@ -343,8 +344,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="DenoisingClipPPOLoss(check_data=False): without the checks of the stored data",
     )
-    parser.add_argument("--output", default=None, help="write the results as JSON to this path")
-    return parser.parse_args(argv)
+    add_output_options(parser)
+    arguments = parser.parse_args(argv)
+    check_output_option(parser, arguments)
+    return arguments
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -401,8 +404,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             "rows": [asdict(row) for row in rows],
             "profiles": profiles,
         }
-        with open(arguments.output, "w") as file:
-            json.dump(payload, file, indent=2)
+        write_json(arguments.output, payload)
         print(f"wrote {arguments.output}")
     return rows
 

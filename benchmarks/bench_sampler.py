@@ -33,7 +33,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -50,6 +49,8 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.policy import FlowSDEPolicy
+from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.runs import write_json
 from torchrl_flowpolicy.sampler import SamplerOptions
 
 from benchmark_networks import ACTION_SHAPE, NETWORKS, OBSERVATION_DIM, build_networks
@@ -214,8 +215,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--calls-per-round", type=int, default=None, help="consecutive calls timed per round"
     )
-    parser.add_argument("--output", default=None, help="write the results as JSON to this path")
-    return parser.parse_args(argv)
+    add_output_options(parser)
+    arguments = parser.parse_args(argv)
+    check_output_option(parser, arguments)
+    return arguments
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -267,8 +270,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             "load_average_after": load_after,
             "rows": [asdict(row) for row in rows],
         }
-        with open(arguments.output, "w") as file:
-            json.dump(payload, file, indent=2)
+        write_json(arguments.output, payload)
         print(f"wrote {arguments.output}")
     return rows
 

@@ -10,9 +10,14 @@ check. Each test here failed on the code before these checks (docs/reliability.m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import json
+import subprocess
+import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -30,6 +35,8 @@ from torchrl_flowpolicy.models import (
 )
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.run_checks import weights_digest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Stop(Exception):
@@ -189,6 +196,72 @@ def test_compare_runs_baseline_without_held_out_is_refused(capsys):
         compare.parse_config(compare.CompareConfig, ["--output", "o.png", "--runs", "A=a.json",
                                                      "--baseline", "A"])  # fmt: skip
     assert "--baseline A: only with --held_out" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- benchmarks
+#: The benchmarks that write their results to ``--output`` (bench_lerobot.py's check runs
+#: before anything needs lerobot, so it is here too).
+BENCHMARKS = ["bench_collectors", "bench_ddp", "bench_dropin", "bench_envs", "bench_lerobot",
+              "bench_loss", "bench_sampler"]  # fmt: skip
+
+
+def load_benchmark(name: str, monkeypatch) -> ModuleType:
+    """``benchmarks/{name}.py`` as a module, its folder on ``sys.path`` as when it runs."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
+
+
+@contextlib.contextmanager
+def no_measuring():
+    """Timing (``time.perf_counter``) or starting the processes of a configuration
+    (``torch.multiprocessing.spawn``) raises :class:`Stop`: the benchmark began to measure."""
+    saved = time.perf_counter, torch.multiprocessing.spawn, torch.get_num_threads()
+    time.perf_counter = torch.multiprocessing.spawn = stop
+    try:
+        yield
+    finally:
+        time.perf_counter, torch.multiprocessing.spawn = saved[:2]
+        torch.set_num_threads(saved[2])
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_a_benchmark_refuses_an_existing_output_before_measuring(
+    script, tmp_path, monkeypatch, capsys
+):
+    module = load_benchmark(script, monkeypatch)
+    output = tmp_path / "results.json"
+    output.write_text("{}")  # an earlier run's results
+    with no_measuring(), pytest.raises(SystemExit) as exited:
+        module.main(["--quick", "--output", str(output)])
+    assert exited.value.code == 2  # a command-line error, before any measurement
+    error = capsys.readouterr().err
+    assert f"--output {output} exists: pass --overwrite to replace it" in error
+    assert output.read_text() == "{}"
+
+
+def test_a_benchmark_refuses_a_folder_as_output_and_goes_on_with_overwrite(
+    tmp_path, monkeypatch, capsys
+):
+    sampler = load_benchmark("bench_sampler", monkeypatch)
+    with no_measuring(), pytest.raises(SystemExit):
+        sampler.main(["--quick", "--output", str(tmp_path)])
+    assert f"--output {tmp_path}: a folder, not a file" in capsys.readouterr().err
+    output = tmp_path / "results.json"
+    output.write_text("{}")
+    with no_measuring(), pytest.raises(Stop):  # --overwrite: on to the measurements
+        sampler.main(["--quick", "--output", str(output), "--overwrite"])
+    assert output.read_text() == "{}"  # written (atomically) only once measured
+
+
+def test_gpu_lerobot_refuses_a_folder_holding_an_earlier_run_before_running(tmp_path):
+    (tmp_path / "float32.json").write_text("{}")  # an earlier run's results
+    script = ROOT / "benchmarks" / "gpu_lerobot.sh"
+    done = subprocess.run(["bash", script, tmp_path], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"{tmp_path} holds the results of an earlier run (float32.json)" in done.stderr
+    assert "--overwrite" in done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["float32.json"]  # no new log
+    assert (tmp_path / "float32.json").read_text() == "{}"
 
 
 # ----------------------------------------------------------------------------- 2. identity

@@ -6,6 +6,9 @@ A run never destroys results it did not make, and never reads a file that is not
   ``summary.json``) is refused unless the run continues it (``--resume``) or is told to
   replace them (``--overwrite``);
 * :func:`check_output_file`: the same for one result file (an evaluation's JSON, a figure);
+  a script whose one result file is its ``--output`` (the benchmarks) adds that option and
+  ``--overwrite`` with :func:`add_output_options` and checks them with
+  :func:`check_output_option` right after parsing them, before any measurement;
 * :func:`check_not_an_input`: no output is one of the run's own inputs (a figure written
   over the summary it plots);
 * :func:`check_input_file`: an input that is missing, or a folder, is an error naming the
@@ -30,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 from collections.abc import Iterable, Mapping
@@ -42,6 +46,8 @@ __all__ = [
     "RUN_RESULTS",
     "check_output_dir",
     "check_output_file",
+    "add_output_options",
+    "check_output_option",
     "check_not_an_input",
     "check_input_file",
     "weights_digest",
@@ -94,6 +100,42 @@ def check_output_file(path: str | os.PathLike, option: str, *, overwrite: bool) 
         raise FileExistsError(
             f"{option} {path} exists: pass --overwrite to replace it, or choose another path."
         )
+
+
+def add_output_options(
+    parser: argparse.ArgumentParser, description: str = "write the results as JSON to this path"
+) -> None:
+    """Add ``--output`` (a script's one result file, ``description`` its help) and
+    ``--overwrite`` (replace an existing one) to ``parser``; :func:`check_output_option`
+    checks them."""
+    parser.add_argument("--output", default=None, help=description)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+
+
+def check_output_option(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> None:
+    """:func:`check_output_file` on ``arguments.output`` (when given) with
+    ``arguments.overwrite``, as a command-line error of ``parser``: its usage and the
+    message, exit status 2. Called right after parsing, a refused file costs no work.
+
+    Example:
+        >>> import tempfile
+        >>> parser = argparse.ArgumentParser(prog="bench")
+        >>> add_output_options(parser)
+        >>> existing = Path(tempfile.mkdtemp()) / "bench.json"
+        >>> _ = existing.write_text("{}")
+        >>> replace = parser.parse_args(["--output", str(existing), "--overwrite"])
+        >>> check_output_option(parser, replace)  # on to the work
+        >>> check_output_option(parser, parser.parse_args(["--output", str(existing)]))
+        Traceback (most recent call last):
+        ...
+        SystemExit: 2
+    """
+    if arguments.output is None:
+        return
+    try:
+        check_output_file(arguments.output, "--output", overwrite=arguments.overwrite)
+    except (FileExistsError, IsADirectoryError) as error:
+        parser.error(str(error))
 
 
 def _same_file(first: Path, second: Path) -> bool:
