@@ -48,6 +48,7 @@ Examples::
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -149,8 +150,10 @@ class EvaluateConfig(TaskOptions):
 @dataclass
 class Inputs:
     """What the options of an evaluation name, parsed and checked (:func:`check_config`):
-    the loaded checkpoints (path -> ``SavedPolicy``), the scales and the noise bounds."""
+    the checkpoints in the order given (a path given twice is evaluated twice), each loaded
+    once (path -> ``SavedPolicy``), the scales and the noise bounds."""
 
+    checkpoints: list[str]
     policies: dict[str, SavedPolicy]
     scales: list[float]
     bounds: list[float]
@@ -207,7 +210,7 @@ def check_config(config: EvaluateConfig) -> Inputs:
         load_checkpoint_policy(config.baseline, config)
     if config.video_episodes:
         check_rendering(config)
-    return Inputs(policies, scales, bounds)
+    return Inputs(checkpoints, policies, scales, bounds)
 
 
 def check_rendering(config: EvaluateConfig) -> None:
@@ -350,7 +353,7 @@ def compare_with_baseline(config: EvaluateConfig, checkpoints: list[str]) -> lis
 
 def main(config: EvaluateConfig) -> list[dict]:
     inputs = check_config(config)  # every option, path and checkpoint: before any evaluation
-    checkpoints, scales, bounds = list(inputs.policies), inputs.scales, inputs.bounds
+    checkpoints, scales, bounds = inputs.checkpoints, inputs.scales, inputs.bounds
     torch.set_num_threads(config.threads)
     seed = split_seed(config.split, config.eval_episodes)
     tqdm.write(f"split {config.split}: {config.eval_episodes} episodes from seed {seed}")
@@ -362,7 +365,9 @@ def main(config: EvaluateConfig) -> list[dict]:
             videos.append(record_video(None, None, "expert", config))
     progress = tqdm(total=len(checkpoints) * (len(scales) + len(bounds)), desc="evaluations")
     for path in checkpoints:
+        # A fresh copy per listed path: a path given twice is evaluated as loaded, twice.
         policy, model_config, _, _ = inputs.policies[path]
+        policy = copy.deepcopy(policy)
         executed = model_config.executed_chunk_length
         max_decisions = decisions_per_episode(config.max_episode_steps, executed)
         env = make_eval_env(config, config.eval_episodes, executed)

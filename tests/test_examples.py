@@ -140,6 +140,7 @@ def test_evaluate_checkpoints_at_several_noise_scales(tmp_path):
     # --baseline: the protocol against a pretrained checkpoint; against itself, every paired
     # difference is exactly zero (same states, same noise), and the expert is the same run.
     baseline = [*command, "--baseline", str(tmp_path / "policy.pt"), "--uniform_noise_bounds", ""]
+    baseline.append("--overwrite")  # the same --output_json as the first evaluation
     result = subprocess.run(baseline, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     comparisons = json.loads(output.read_text())["comparisons"]
