@@ -456,7 +456,8 @@ def test_dsrl_example_runs_robosuite_can(tmp_path, check_protocol_fields):
     pytest.importorskip("robosuite")
     options = ["--task", "can", "--max_episode_steps", "40", "--pretrain.demo_episodes", "2"]
     options += ["--total_env_steps", "320", "--random_env_steps", "160"]
-    options += ["--eval_every_env_steps", "160", "--checkpoint_every_env_steps", "160"]
+    options += ["--eval_every_env_steps", "320", "--checkpoint_every_env_steps", "160"]
+    options += ["--eval_episodes", "4", "--pretrain.eval_episodes", "4"]  # robosuite is slow
     environment = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}
     result = subprocess.run(
         quick_dsrl_command(tmp_path, *options),

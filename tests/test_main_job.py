@@ -194,9 +194,19 @@ def test_quick_lift_chain(tmp_path, check_protocol_fields):
     # robosuite Lift through the same script: demonstrations, pretraining, PPO, evaluation
     # in rounds of at most max_eval_envs simulators, the held-out protocol with the expert.
     pytest.importorskip("robosuite")
+    # Kept short (robosuite's simulators are slow to build and step): 4 iterations, curve
+    # evaluations of 4 episodes; the held-out protocol keeps --quick's 8 episodes.
+    short = ["--total_env_steps", "960", "--eval_episodes", "4", "--pretrain.eval_episodes", "4"]
     result = run(
         command(
-            tmp_path, "--task", "lift", "--pretrain.demo_episodes", "3", "--minibatch_size", "30"
+            tmp_path,
+            "--task",
+            "lift",
+            "--pretrain.demo_episodes",
+            "3",
+            "--minibatch_size",
+            "30",
+            *short,
         )
     )
     summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
