@@ -22,10 +22,8 @@ replay buffer on the GPU; the simulators stay on the CPU. ``--quick``: under a m
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +36,6 @@ from torchrl.objectives import SACLoss, SoftUpdate
 from tqdm import tqdm
 
 from torchrl_flowpolicy import FlowSDEPolicy, collectors, episodes, reports, runs
-from torchrl_flowpolicy.checkpoint import load_checkpoint
 from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform
 from torchrl_flowpolicy.dsrl_networks import (
     make_noise_actor,
@@ -51,7 +48,9 @@ from torchrl_flowpolicy.protocol import SPLIT_SIZE, training_seed
 from torchrl_flowpolicy.run_checks import weights_digest
 
 import pretrain
+import run_settings
 from common import TaskOptions, check_run_config, option
+from dsrl_runs import Progress, resume_dsrl_run, save_dsrl_run
 
 
 # ----------------------------------------------------------------------------- config
@@ -118,42 +117,12 @@ class DSRLConfig(TaskOptions):
 
     def option_conflicts(self) -> list[str]:
         """Options that contradict each other, one line each naming them."""
-        if self.resume and self.overwrite:
-            return ["--resume --overwrite: continue the run in output_dir, or replace it; not both"]
-        return []
+        return run_settings.resume_or_overwrite(self)
 
     def option_warnings(self) -> list[str]:
-        """Valid settings in which SAC cannot learn (warned about before any work)."""
-        if self.random_env_steps >= self.total_env_steps:
-            return [
-                f"--random_env_steps {self.random_env_steps}: not below --total_env_steps "
-                f"{self.total_env_steps}; every step acts with uniform noise and no SAC update "
-                "is made: the actor stays at its start"
-            ]
-        executed = planned_executed_chunk_length(self)
-        decisions = self.total_env_steps // executed
-        first = max(self.random_env_steps // executed, self.batch_size)  # updates start there
-        updates = int(self.utd_ratio * max(decisions - first, 0))
-        if self.critic_warmup_updates >= updates:
-            return [
-                f"--critic_warmup_updates {self.critic_warmup_updates}: the run makes about "
-                f"{updates} SAC updates ({decisions} decisions of {executed} steps, from the "
-                f"{first}th on, --utd_ratio {self.utd_ratio}), all of them the critics' "
-                "warm-up: the actor is never updated"
-            ]
-        return []
-
-
-def planned_executed_chunk_length(config: DSRLConfig) -> int:
-    """``H'`` of the run's policy: the pretrained checkpoint's, or that of the pretraining
-    that will make it."""
-    path = Path(config.pretrained_checkpoint)
-    if path.is_file():
-        try:
-            return load_checkpoint(path)["model_config"]["executed_chunk_length"]
-        except (KeyError, TypeError, ValueError):
-            pass  # not a policy checkpoint: loading it says so
-    return config.pretrain.model.executed_chunk_length
+        """Valid settings in which SAC cannot learn, warned about before any work
+        (:func:`run_settings.dsrl_warnings`)."""
+        return run_settings.dsrl_warnings(self)
 
 
 # What --quick changes: the whole chain in under a minute.
@@ -260,18 +229,6 @@ def make_learner(
 
 
 # ----------------------------------------------------------------------------- the updates
-@dataclass
-class Progress:
-    """The counters and evaluation history of a run (saved in its checkpoint)."""
-
-    iteration: int = 0
-    env_steps: int = 0
-    updates: int = 0
-    update_credit: float = 0.0  # updates owed: utd_ratio per collected decision
-    wall_seconds: float = 0.0  # training wall time at the last checkpoint
-    history: list[dict] = field(default_factory=list)
-
-
 def dsrl_iteration(
     batch: TensorDictBase,
     learner: Learner,
@@ -338,38 +295,6 @@ def sac_update(
 
 
 # ----------------------------------------------------------------------------- collector, checkpoints
-def save_dsrl_run(
-    path: Path,
-    learner: Learner,
-    replay_buffer: ReplayBuffer,
-    run: Progress,
-    identity: dict[str, Any],
-) -> None:
-    """The run checkpoint ``--resume`` reads: learner, stored decisions, counters and the
-    run's identity (``runs.run_identity``: task, pretrained architecture, SAC networks)."""
-    buffer = runs.replay_buffer_state(replay_buffer)  # the stored decisions
-    progress = {**dataclasses.asdict(run), "history": json.dumps(run.history)}
-    runs.save_run(path, learner.trained(), **buffer, **progress, **identity)
-
-
-def resume_dsrl_run(
-    saved: dict[str, Any], learner: Learner, replay_buffer: ReplayBuffer
-) -> tuple[Progress, dict[str, Any]]:
-    """Load a :func:`save_dsrl_run` checkpoint, as ``runs.load_run`` returned it, into
-    ``learner`` and ``replay_buffer``; returns the counters and the random generators' state
-    (for ``runs.restore_random_state``)."""
-    saved = runs.resume_run(saved, learner.trained())
-    runs.restore_replay_buffer(replay_buffer, saved)
-    for name in ("task", "model_config", "networks", *IDENTITY_EXTRAS):
-        saved.pop(name, None)
-    random_state = saved.pop("random_state")
-    return Progress(**{**saved, "history": json.loads(saved["history"])}), random_state
-
-
-# The identity entries a checkpoint holds beside task, model_config and networks.
-IDENTITY_EXTRAS = ("seed", "pretrained_weights", "sampler")
-
-
 def make_replay_buffer(
     config: DSRLConfig, executed_chunk_length: int, device: torch.device | str = "cpu"
 ) -> ReplayBuffer:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import functools
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +51,7 @@ from torchrl_flowpolicy.protocol import SPLIT_SIZE
 from torchrl_flowpolicy.run_checks import weights_digest
 
 import pretrain
+import run_settings
 from common import TaskOptions, check_run_config, option
 
 # What the options of the noise head require: refused with --noise fixed (nothing reads them).
@@ -129,68 +129,13 @@ class PPOConfig(TaskOptions):
 
     def option_conflicts(self) -> list[str]:
         """Options that contradict each other (exit 2 on the command line, ``ValueError`` in
-        ``main``), one line each naming them."""
-        fixed, grpo = self.noise == "fixed", self.advantage == "grpo"
-        bounds = (self.min_noise_std, self.initial_noise_std, self.max_noise_std)
-        workers = f"--collector_workers {self.collector_workers} --collector_backend "
-        rules = [
-            (
-                self.resume and self.overwrite,
-                "--resume --overwrite: continue the run in output_dir, or replace it; not both",
-            ),
-            (
-                not fixed and not bounds[0] < bounds[1] < bounds[2],
-                "--noise learned needs --min_noise_std < --initial_noise_std < --max_noise_std, "
-                "got {} < {} < {}: the std starts strictly inside its bounds".format(*bounds),
-            ),
-            (
-                fixed and self.entropy_coeff > 0,
-                f"--entropy_coeff {self.entropy_coeff}: needs --noise learned "
-                "(the fixed schedule's entropy has no gradient)",
-            ),
-            (
-                self.num_envs % self.collector_workers,
-                f"--num_envs {self.num_envs}: must be a multiple of --collector_workers "
-                f"{self.collector_workers} (envs per worker)",
-            ),
-            (
-                grpo and self.num_envs % self.group_size,
-                f"--num_envs {self.num_envs}: must be a multiple of --group_size "
-                f"{self.group_size} with --advantage grpo",
-            ),
-            (
-                grpo and self.episodes_per_batch != 1,
-                f"--episodes_per_batch {self.episodes_per_batch}: must be 1 with --advantage "
-                "grpo (one episode per env)",
-            ),
-            (
-                grpo and (self.collector_workers != 1 or self.collector_backend != "process"),
-                f"{workers}{self.collector_backend}: must be 1 and process with --advantage grpo "
-                "(the groups are reseeded from this process)",
-            ),
-        ]
-        return [message for broken, message in rules if broken]
+        ``main``), one line each naming them (:func:`run_settings.ppo_conflicts`)."""
+        return run_settings.ppo_conflicts(self)
 
     def option_warnings(self) -> list[str]:
-        """Valid settings in which the actor cannot learn (warned about before any work)."""
-        per_batch = self.num_envs * self.episodes_per_batch * self.max_episode_steps
-        iterations = -(-self.total_env_steps // per_batch)
-        rules = [
-            (
-                self.noise == "fixed" and self.sampler.noise_level == 0,
-                "--sampler.noise_level 0: the fixed noise makes no denoising step stochastic; "
-                "every rollout is the ODE's, its log-probabilities are constant and the PPO "
-                "objective stays 0 (only --bc_coeff and --kl_coeff move the actor)",
-            ),
-            (
-                self.advantage == "gae" and self.critic_warmup_iterations >= iterations,
-                f"--critic_warmup_iterations {self.critic_warmup_iterations}: a run of "
-                f"full-length episodes makes {iterations} iteration(s) (--total_env_steps "
-                f"{self.total_env_steps} / {per_batch} per batch), all of them the critic's "
-                "warm-up: the actor is never updated",
-            ),
-        ]
-        return [message for broken, message in rules if broken]
+        """Valid settings in which the actor cannot learn, warned about before any work
+        (:func:`run_settings.ppo_warnings`)."""
+        return run_settings.ppo_warnings(self)
 
 
 # What --quick changes: the whole chain in about a minute.
@@ -254,25 +199,6 @@ def training_envs(config: PPOConfig, executed_chunk_length: int) -> collectors.T
 
 
 # ----------------------------------------------------------------------------- policy, critic, loss
-def start_noise_head(policy: FlowSDEPolicy, config: PPOConfig) -> None:
-    """Drop the noise head of a pretrained checkpoint that has one (a ``--noise learned``
-    run's policy taken as a start), saying so: ``--noise fixed`` explores with the fixed
-    Flow-SDE noise (as its summary says), ``--noise learned`` with a fresh head."""
-    if policy.noise_head is None:
-        return
-    kept = (
-        "this --noise fixed run explores with the fixed Flow-SDE noise (--sampler.noise_level)"
-        if config.noise == "fixed"
-        else "this --noise learned run trains a fresh head (--initial_noise_std)"
-    )
-    warnings.warn(
-        f"--pretrained_checkpoint {config.pretrained_checkpoint} holds a learned noise head "
-        f"(a --noise learned run's policy); its flow is the start, its noise head is dropped: "
-        f"{kept}.",
-        UserWarning,
-        stacklevel=2,
-    )
-    policy.noise_head = None
 
 
 @dataclass
@@ -433,7 +359,7 @@ def main(config: PPOConfig) -> dict:
     policy, model_config, _, pretrained_state = pretrain.load_or_pretrain(
         config, config.sampler, device, pretrain_here=main_process
     )
-    start_noise_head(policy, config)
+    run_settings.start_noise_head(policy, config)
     origin = {"seed": config.seed, "pretrained_weights": weights_digest(policy.state_dict())}
     bc_policy = copy.deepcopy(policy)
     if config.noise == "learned":  # a fresh head

@@ -14,11 +14,13 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def load_example(name: str) -> ModuleType:
     """``examples/{name}.py`` as a module, loaded from its path (``sys.path`` untouched).
 
-    The scripts import their shared command-line module ``common`` (and the fine-tuning
-    scripts ``pretrain``) by name, as a script's own folder allows; those are loaded the same
-    way first and registered under their names, as ``import`` would register them.
+    The scripts import their shared modules by name, as a script's own folder allows:
+    ``common`` (the command line), and for the fine-tuning scripts ``pretrain``,
+    ``run_settings`` (their settings' checks) and ``dsrl_runs`` (DSRL's checkpoint); those
+    are loaded the same way first and registered under their names, as ``import`` would.
     """
-    for module_name in dict.fromkeys(("common", "pretrain", name)):
+    shared = ("common", "pretrain", "run_settings", "dsrl_runs")
+    for module_name in dict.fromkeys((*shared, name)):
         path = EXAMPLES / f"{module_name}.py"
         loaded = sys.modules.get(module_name)
         if loaded is not None and getattr(loaded, "__file__", None) == str(path):
