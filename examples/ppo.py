@@ -117,6 +117,10 @@ class PPOConfig(TaskOptions):
     held_out_episodes: int = option(
         200, "final protocol episodes (seeds 30000+)", minimum=1, maximum=SPLIT_SIZE
     )
+    split: Literal["held_out", "validation"] = option(
+        "held_out",
+        "the final protocol's states: validation to choose settings on, held_out to report",
+    )
     reported_decoding: Literal["sampled", "noise_free"] = option(
         "noise_free", "PPO's decoding reported on the held-out states (chosen on validation)"
     )
@@ -463,7 +467,7 @@ def main(config: PPOConfig) -> dict:
         run.record(reports.evaluate_on_curve(policy, eval_env, max_decisions, config.eval_episodes))
     eval_env.close()
     held_out = reports.held_out_protocol(
-        bc_policy, policy, config, executed, name="PPO", device=device
+        bc_policy, policy, config, executed, name="PPO", device=device, split=config.split
     )
     title = f"{get_task(config.task).title}: deterministic evaluation (ODE, K = 20)"
     summary = reports.run_summary(

@@ -117,14 +117,14 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
-def assert_protocol_fields(summary: dict, stdout: str, name: str, reported: str) -> None:
-    """The held-out protocol of a ``--quick`` run (8 episodes) in its summary and last line."""
+def assert_protocol_fields(
+    summary: dict, stdout: str, name: str, reported: str, split: str = "held_out"
+) -> None:
+    """The protocol of a ``--quick`` run (8 episodes; held-out states unless ``split`` says
+    validation) in its summary and last line."""
     held_out = summary["held_out"]
-    assert (held_out["split"], held_out["seed"], held_out["num_episodes"]) == (
-        "held_out",
-        30_000,
-        8,
-    )
+    first_seed = {"held_out": 30_000, "validation": 20_000}[split]
+    assert (held_out["split"], held_out["seed"], held_out["num_episodes"]) == (split, first_seed, 8)
     assert held_out["reported_decoding"] == reported
     assert held_out["bc_best_decoding"] in ("sampled", "noise_free")
     for group in ("bc", "rl"):
@@ -138,8 +138,9 @@ def assert_protocol_fields(summary: dict, stdout: str, name: str, reported: str)
             assert entry["low"] <= entry["difference"] <= entry["high"]
     assert list(summary["curve_baselines"]) == ["BC (sampled)", "BC (noise-free)", "expert"]
     last_line = stdout.strip().splitlines()[-1]
-    assert last_line == f"held-out seeds: {held_out['line']}"
-    assert last_line.startswith(f"held-out seeds: {name} ({reported.replace('_', '-')}) ")
+    states = "held-out" if split == "held_out" else "validation"
+    assert last_line == f"{states} seeds: {held_out['line']}"
+    assert last_line.startswith(f"{states} seeds: {name} ({reported.replace('_', '-')}) ")
 
 
 @pytest.fixture

@@ -181,12 +181,13 @@ def test_a_run_killed_at_a_random_moment_and_resumed_logs_the_uninterrupted_numb
 @pytest.mark.slow
 def test_quick_run_with_two_collector_processes(tmp_path, check_protocol_fields):
     # TorchRL's MultiSyncCollector: 2 workers x 2 envs, the weights synced after every update;
-    # the batches and the env-step count are those of one process with 4 envs.
-    result = run(command(tmp_path, "--collector_workers", "2"))
+    # the batches and the env-step count are those of one process with 4 envs. The final
+    # protocol on the validation states (--split validation: what settings are chosen on).
+    result = run(command(tmp_path, "--collector_workers", "2", "--split", "validation"))
     summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
     assert summary["config"]["collector_workers"] == 2
     assert summary["env_steps"] == summary["config"]["total_env_steps"]
-    check_protocol_fields(summary, result.stdout, "PPO", "noise_free")
+    check_protocol_fields(summary, result.stdout, "PPO", "noise_free", split="validation")
 
 
 @pytest.mark.slow

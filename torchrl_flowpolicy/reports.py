@@ -321,4 +321,5 @@ def write_run_report(
         f"{summary['rl_success']:.1%} after {summary['env_steps']} env steps{updates} "
         f"({summary['wall_seconds'] / 60:.1f} min)"
     )
-    print(f"held-out seeds: {summary['held_out']['line']}")
+    states = "validation" if summary["held_out"].get("split") == "validation" else "held-out"
+    print(f"{states} seeds: {summary['held_out']['line']}")
