@@ -153,3 +153,18 @@ def test_quick_run_writes_the_held_out_protocol(tmp_path):
         > summary["pretrained"]["log_likelihood_before"]
     )
     assert (output_dir / "checkpoint.pt").is_file()
+
+
+def test_the_demonstrations_are_those_of_the_pretraining():
+    gaussian_ppo, pretrain = load_example("gaussian_ppo"), load_example("pretrain")
+    pretrain_defaults = pretrain.PretrainConfig()
+    for task, defaults in pretrain.script_defaults("pretrain").items():
+        config = gaussian_ppo.parse_args(["--task", task])
+        for name in ("demo_dir", "demo_episodes", "demo_action_noise", "demo_seed"):
+            expected = defaults.get(name, getattr(pretrain_defaults, name))
+            assert getattr(config, name) == expected, (task, name)
+    # The seed rule: --demo_seed -1 takes the run's seed, as pretrain.py does.
+    config = gaussian_ppo.parse_args(["--seed", "3"])
+    assert pretrain.demonstration_seed(config) == 3
+    config = gaussian_ppo.parse_args(["--seed", "3", "--demo_seed", "5"])
+    assert pretrain.demonstration_seed(config) == 5
