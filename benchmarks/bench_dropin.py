@@ -49,14 +49,14 @@ from collections.abc import Callable
 import torch
 import torchrl
 from tensordict import TensorDictBase
-from tensordict.nn import AddStateIndependentNormalScale, TensorDictModule
 from torchrl.collectors import Collector
 from torchrl.envs import Compose, DoubleToFloat, GymEnv, TransformedEnv
 from torchrl.envs.utils import ExplorationType, set_exploration_type
-from torchrl.modules import MLP, ProbabilisticActor, TanhNormal
+from torchrl.modules import ProbabilisticActor
 
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.envs.chunking import ClampAction, make_chunked_env
+from torchrl_flowpolicy.gaussian_baseline import make_gaussian_actor
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
 from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
 from torchrl_flowpolicy.runs import write_json
@@ -80,30 +80,10 @@ def make_env(chunk: int, seed: int = 0) -> TransformedEnv:
 
 
 def make_stock_actor(env: TransformedEnv, hidden: int, layers: int) -> ProbabilisticActor:
-    """The reference script's Gaussian actor, for an action of the environment's shape."""
-    action_spec = env.full_action_spec_unbatched["action"]
-    mlp = MLP(
-        in_features=OBSERVATION_DIM,
-        out_features=action_spec.shape,
-        num_cells=[hidden] * layers,
-        activation_class=torch.nn.Tanh,
-    )
-    module = torch.nn.Sequential(
-        mlp, AddStateIndependentNormalScale(action_spec.shape, scale_lb=1e-8)
-    )
-    return ProbabilisticActor(
-        TensorDictModule(module, in_keys=["observation"], out_keys=["loc", "scale"]),
-        in_keys=["loc", "scale"],
-        spec=env.full_action_spec_unbatched,
-        distribution_class=TanhNormal,
-        distribution_kwargs={
-            "low": action_spec.space.low,
-            "high": action_spec.space.high,
-            "tanh_loc": False,
-            "event_dims": len(action_spec.shape),
-        },
-        return_log_prob=True,
-        default_interaction_type=ExplorationType.RANDOM,
+    """The reference script's Gaussian actor, for an action of the environment's shape
+    (:func:`~torchrl_flowpolicy.gaussian_baseline.make_gaussian_actor`)."""
+    return make_gaussian_actor(
+        OBSERVATION_DIM, env.full_action_spec_unbatched, num_cells=[hidden] * layers
     )
 
 
