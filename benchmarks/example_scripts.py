@@ -1,7 +1,7 @@
 """The example scripts as modules, for the benchmarks that time an example's own code.
 
 ``load_example("ppo")`` loads ``examples/ppo.py`` from its path (``sys.path`` untouched),
-after the modules it imports by name (``common``, ``pretrain``), registered under their names
+after the modules it imports by name (``common``, ``pretrain``, ``run_settings``), registered under their names
 as ``import`` would.
 """
 
@@ -17,7 +17,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 def load_example(name: str) -> ModuleType:
     """``examples/{name}.py`` as a module."""
-    for module_name in dict.fromkeys(("common", "pretrain", name)):
+    for module_name in dict.fromkeys(("common", "pretrain", "run_settings", name)):
         path = EXAMPLES / f"{module_name}.py"
         loaded = sys.modules.get(module_name)
         if loaded is not None and getattr(loaded, "__file__", None) == str(path):

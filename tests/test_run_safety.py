@@ -202,7 +202,7 @@ def test_compare_runs_baseline_without_held_out_is_refused(capsys):
 #: The benchmarks that write their results to ``--output`` (bench_lerobot.py's check runs
 #: before anything needs lerobot, so it is here too).
 BENCHMARKS = ["bench_collectors", "bench_ddp", "bench_dropin", "bench_envs", "bench_lerobot",
-              "bench_loss", "bench_sampler"]  # fmt: skip
+              "bench_loss", "bench_sampler", "profile_main_job"]  # fmt: skip
 
 
 def load_benchmark(name: str, monkeypatch) -> ModuleType:
