@@ -108,6 +108,10 @@ class GaussianPPOConfig(TaskOptions):
     held_out_episodes: int = option(
         200, "final protocol episodes (seeds 30000+)", minimum=1, maximum=SPLIT_SIZE
     )
+    split: Literal["held_out", "validation"] = option(
+        "held_out",
+        "the final protocol's states: validation to choose settings on, held_out to report",
+    )
     reported_decoding: Literal["sampled", "noise_free"] = option(
         "noise_free", "the decoding reported on the held-out states (ppo.py's default)"
     )
@@ -352,7 +356,13 @@ def main(config: GaussianPPOConfig) -> dict:
     # Evaluation: the held-out protocol (BC and PPO under both decodings, the expert, all per
     # env step), plot, summary.json, checkpoint.
     held_out = reports.held_out_protocol(
-        bc_actor, actor, config, EXECUTED_CHUNK_LENGTH, name="PPO-Gaussian", device=device
+        bc_actor,
+        actor,
+        config,
+        EXECUTED_CHUNK_LENGTH,
+        name="PPO-Gaussian",
+        device=device,
+        split=config.split,
     )
     wall_seconds = run.wall_seconds()
     pretrained = {"summary": json.dumps(bc_summary)}

@@ -2,7 +2,8 @@
 default, robosuite Lift with ``--task lift``).
 
 Reads top to bottom: config, seed, demonstrations, model, loss, training loop, evaluation
-(deterministic ODE at K = 20 and at the RL step count K = 8: the parity check before RL),
+(deterministic ODE at K = 20 and at the RL rollouts' step count, ``--rollout_denoising_steps``:
+the parity check before RL),
 checkpoint. Run ``python examples/pretrain.py --help`` for the options. The fine-tuning
 examples run :func:`main` with :func:`config_for_run` when their pretrained checkpoint is
 missing.
@@ -73,6 +74,9 @@ class PretrainConfig(TaskOptions):
     )
     eval_episodes: int = option(50, "fixed evaluation episodes (one batched rollout)", minimum=1)
     eval_seed: int = option(10_000, "seed of the evaluation episodes", minimum=0)
+    rollout_denoising_steps: int = option(
+        4, "K of the RL rollouts, which the parity check compares with K = 20", minimum=1
+    )
     threads: int = option(1, "torch CPU threads", minimum=1)
     model: ModelConfig = option(default_factory=ModelConfig, help="the policy's architecture")
 
@@ -89,6 +93,7 @@ RUN_SETTINGS = (
     "success_threshold",
     "reward",
     "terminate_on_success",
+    "rollout_denoising_steps",
 )
 
 # The model fields that come from the task are not command-line options.
@@ -100,8 +105,12 @@ def config_for_run(run: Any) -> PretrainConfig:
     fine-tuning run.
 
     ``run`` is the config of ``examples/ppo.py`` or ``examples/dsrl.py``; the result makes
-    the checkpoint at ``run.pretrained_checkpoint``. ``run`` is not changed.
+    the checkpoint at ``run.pretrained_checkpoint``, its parity check at the run's rollout
+    ``K`` (``run.sampler``; a run without one keeps ``run.pretrain``'s). ``run`` is not
+    changed.
     """
+    sampler = getattr(run, "sampler", None)
+    rollout_steps = getattr(sampler, "num_denoising_steps", run.pretrain.rollout_denoising_steps)
     return dataclasses.replace(
         run.pretrain,
         seed=run.seed,
@@ -114,6 +123,7 @@ def config_for_run(run: Any) -> PretrainConfig:
         success_threshold=run.success_threshold,
         reward=run.reward,
         terminate_on_success=run.terminate_on_success,
+        rollout_denoising_steps=rollout_steps,
     )
 
 
@@ -202,12 +212,13 @@ def train(policy: FlowSDEPolicy, dataset: TensorDictBase, config: PretrainConfig
 
 
 def evaluate_parity(policy: FlowSDEPolicy, config: PretrainConfig) -> dict[int, dict]:
-    """Deterministic ODE on the fixed seeds at K = 20 (reported) and K = 8 (RL's K)."""
+    """Deterministic ODE on the fixed seeds at K = 20 (reported) and at the RL rollouts' K."""
     executed = config.model.executed_chunk_length
     env = make_eval_env(config, config.eval_episodes, executed)
     max_decisions = decisions_per_episode(config.max_episode_steps, executed)
     results = {}
-    for steps in (20, 8):
+    rollout_steps = config.rollout_denoising_steps
+    for steps in dict.fromkeys((20, rollout_steps)):
         policy.options = policy.options.replace(eval_num_denoising_steps=steps)
         results[steps] = evaluate_policy(
             policy,
@@ -222,14 +233,15 @@ def evaluate_parity(policy: FlowSDEPolicy, config: PretrainConfig) -> dict[int, 
         )
     env.close()
     policy.options = policy.options.replace(eval_num_denoising_steps=20)
-    gap = abs(results[20]["success_rate"] - results[8]["success_rate"])
+    gap = abs(results[20]["success_rate"] - results[rollout_steps]["success_rate"])
     if gap > 0.01:
         print(
-            f"Parity check: success at K=8 differs from K=20 by {gap:.1%} (more than one point); "
-            f"RL rollouts at K=8 do not behave like the K=20 evaluation policy."
+            f"Parity check: success at K={rollout_steps} differs from K=20 by {gap:.1%} (more "
+            f"than one point); RL rollouts at K={rollout_steps} do not behave like the K=20 "
+            "evaluation policy."
         )
     else:
-        print("Parity check: K=8 and K=20 agree within one point.")
+        print(f"Parity check: K={rollout_steps} and K=20 agree within one point.")
     return results
 
 
@@ -289,13 +301,13 @@ def main(config: PretrainConfig) -> dict:
     losses = train(policy, dataset, config)
     train_seconds = time.perf_counter() - start
 
-    # Evaluation at K = 20 and K = 8, checkpoint and summary.
+    # Evaluation at K = 20 and the rollouts' K, checkpoint and summary.
     policy.eval()
     results = evaluate_parity(policy, config)
     summary = {
         "config": dataclasses.asdict(config),
         "bc_success_k20": results[20]["success_rate"],
-        "bc_success_k8": results[8]["success_rate"],
+        "bc_success_rollout_k": results[config.rollout_denoising_steps]["success_rate"],
         "bc_return_k20": results[20]["mean_return"],
         "demo_seed": demonstration_seed(config),
         "demo_success": demos["success"].float().mean().item(),

@@ -31,7 +31,7 @@ def test_the_profile_measures_every_part_beside_its_floor(tmp_path, monkeypatch)
     assert result["threads"] == 1 and result["rounds"] == 2
     # 4 envs x ceil(24 / 4) decisions; a batch of 96 env steps: 11 iterations for 1000.
     assert result["decisions_per_batch"] == 4 * 6 and result["env_steps_per_batch"] == 96
-    assert result["stochastic_steps_per_decision"] == 4  # sde_mode last, num_sde_steps 4
+    assert result["stochastic_steps_per_decision"] == 2  # sde_mode last, num_sde_steps 2
     parts = result["parts"]
     assert set(parts) == set(PARTS)
     for name, part in parts.items():

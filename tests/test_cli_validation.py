@@ -432,7 +432,18 @@ def test_lift_defaults_are_the_fine_tuning_recipe(example):
         config.pretrain.demo_episodes,
         config.pretrain.demo_action_noise,
     ) == recipe
-    assert ppo.parse_args([]).num_envs == 16  # Pusher keeps its own
+    # The robosuite recipes keep the sampler they were published with (K = 8 from
+    # x_0 ~ N(0, I), the last 4 steps stochastic); Pusher keeps its own main-job recipe.
+    for task, num_envs in (("lift", 48), ("can", 16)):
+        robosuite = ppo.parse_args(["--task", task])
+        sampler = robosuite.sampler
+        assert (sampler.num_denoising_steps, sampler.num_sde_steps) == (8, 4)
+        assert (sampler.rollout_noise_scale, sampler.eval_noise_scale) == (1.0, 1.0)
+        assert robosuite.num_envs == num_envs
+    assert ppo.parse_args(["--task", "can"]).actor_learning_rate == 3e-5
+    pusher = ppo.parse_args([])
+    assert (pusher.num_envs, pusher.sampler.num_denoising_steps) == (32, 4)
+    assert pusher.sampler.rollout_noise_scale == 0.0
     assert dsrl.parse_args(["--task", "lift"]).pretrain.demo_episodes == 25
     standalone = parse_config(
         pretrain.PretrainConfig,

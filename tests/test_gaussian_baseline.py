@@ -123,6 +123,7 @@ def test_quick_options_and_task_defaults():
     gaussian_ppo = load_example("gaussian_ppo")
     quick = gaussian_ppo.parse_args(["--quick"])
     assert quick.output_dir.startswith("outputs/quick") and quick.threads == 1
+    assert quick.split == "held_out"  # the reported states unless asked otherwise
     assert gaussian_ppo.parse_args([]) == gaussian_ppo.GaussianPPOConfig()
     lift = gaussian_ppo.parse_args(["--task", "lift"])
     assert (lift.max_episode_steps, lift.demo_episodes, lift.reward_scale) == (60, 25, 1.0)
@@ -130,15 +131,16 @@ def test_quick_options_and_task_defaults():
 
 
 @pytest.mark.slow
-def test_quick_run_writes_the_held_out_protocol(tmp_path):
+def test_quick_run_writes_the_protocol_on_the_states_asked_for(tmp_path):
     gaussian_ppo = load_example("gaussian_ppo")
     output_dir = tmp_path / "run"
-    config = gaussian_ppo.parse_args(
-        ["--quick", "--output_dir", str(output_dir), "--demo_dir", str(tmp_path / "demos")]
-    )
+    options = ["--output_dir", str(output_dir), "--demo_dir", str(tmp_path / "demos")]
+    # --split validation: the protocol on the validation states (where settings are chosen).
+    config = gaussian_ppo.parse_args(["--quick", "--split", "validation", *options])
     gaussian_ppo.main(config)
     summary = json.loads((output_dir / "summary.json").read_text())
     held_out = summary["held_out"]
+    assert (held_out["split"], held_out["seed"]) == ("validation", 20_000)
     assert held_out["num_episodes"] == config.held_out_episodes
     for policy in ("bc", "rl"):
         for decoding in ("sampled", "noise_free"):

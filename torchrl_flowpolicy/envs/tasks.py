@@ -51,6 +51,16 @@ from torchrl_flowpolicy.envs.pusher_expert import PusherExpertPolicy
 __all__ = ["DemoSettings", "Task", "TASKS", "get_task", "script_defaults"]
 
 
+# The sampler of the robosuite recipes (docs/robosuite.md): K = 8 rollouts from x_0 ~ N(0, I),
+# the last 4 steps stochastic, the learning curve sampled; Pusher's main job has its own.
+ROBOSUITE_SAMPLER = {
+    "sampler.num_denoising_steps": 8,
+    "sampler.num_sde_steps": 4,
+    "sampler.rollout_noise_scale": 1.0,
+    "sampler.eval_noise_scale": 1.0,
+}
+
+
 @dataclass(frozen=True)
 class DemoSettings:
     """How a task's demonstrations are cached and how many a pretraining clones.
@@ -347,6 +357,7 @@ TASKS: dict[str, Task] = {
                 "total_env_steps": 600_000,
                 "eval_every": 10,
                 "checkpoint_every": 10,
+                **ROBOSUITE_SAMPLER,
             },
         },
         output_suffix="_lift",
@@ -366,7 +377,10 @@ TASKS: dict[str, Task] = {
         run_defaults={
             # 16 envs x 63 decisions = 1,008 decisions a batch.
             "ppo": {
+                "num_envs": 16,
                 "minibatch_size": 504,
+                "actor_learning_rate": 3e-5,
+                **ROBOSUITE_SAMPLER,
                 "reward_scale": 1.0,
                 "total_env_steps": 500_000,
                 "eval_every": 5,
