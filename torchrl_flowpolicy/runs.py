@@ -273,7 +273,8 @@ class RunProgress:
         >>> run = RunProgress(iteration=2, env_steps=600)
         >>> row = run.record({"success_rate": 0.5})
         >>> resumed = RunProgress.from_state(run.state())
-        >>> (resumed.iteration, resumed.history[0]["success_rate"])
+        >>> first = resumed.history[0]
+        >>> (resumed.iteration, first["success_rate"])
         (2, 0.5)
     """
 
