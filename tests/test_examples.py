@@ -558,3 +558,14 @@ def test_summaries_and_plots_are_written_atomically(tmp_path):
     plt.close(figure)
     assert png.read_bytes().startswith(b"\x89PNG")
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["curve.png", "plots", "summary.json"]
+
+
+def test_the_pretraining_parity_check_compares_k20_with_the_runs_rollout_steps():
+    # A fine-tuning run's pretraining checks the ODE at K = 20 against the run's own rollout
+    # K; a run without a sampler (DSRL) keeps the pretraining's default.
+    ppo, dsrl, pretrain = (load_example(name) for name in ("ppo", "dsrl", "pretrain"))
+    config = ppo.parse_args(["--sampler.num_denoising_steps", "6"])
+    assert pretrain.config_for_run(config).rollout_denoising_steps == 6
+    assert pretrain.config_for_run(ppo.parse_args([])).rollout_denoising_steps == 4
+    default = pretrain.PretrainConfig().rollout_denoising_steps
+    assert pretrain.config_for_run(dsrl.parse_args([])).rollout_denoising_steps == default
