@@ -125,8 +125,11 @@ def test_workers_given_the_policy_share_its_memory_on_cpu():
 
 # ----------------------------------------------------------------------------- the PPO example
 @pytest.fixture
-def ppo(example):
-    """``examples/ppo.py``, loaded from its path."""
+def ppo(example, tmp_path, monkeypatch):
+    """``examples/ppo.py``, loaded from its path, run from an empty folder: its default
+    ``outputs/ppo`` is then free, whatever a main job run in the clone has left there (the
+    check refuses a folder holding results)."""
+    monkeypatch.chdir(tmp_path)
     return example("ppo")
 
 
