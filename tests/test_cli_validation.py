@@ -438,11 +438,13 @@ def test_lift_defaults_are_the_fine_tuning_recipe(example):
         robosuite = ppo.parse_args(["--task", task])
         sampler = robosuite.sampler
         assert (sampler.num_denoising_steps, sampler.num_sde_steps) == (8, 4)
+        assert sampler.eval_num_denoising_steps == 20
         assert (sampler.rollout_noise_scale, sampler.eval_noise_scale) == (1.0, 1.0)
         assert robosuite.num_envs == num_envs
     assert ppo.parse_args(["--task", "can"]).actor_learning_rate == 3e-5
     pusher = ppo.parse_args([])
     assert (pusher.num_envs, pusher.sampler.num_denoising_steps) == (32, 4)
+    assert pusher.sampler.eval_num_denoising_steps == 4
     assert pusher.sampler.rollout_noise_scale == 0.0
     assert dsrl.parse_args(["--task", "lift"]).pretrain.demo_episodes == 25
     standalone = parse_config(

@@ -52,9 +52,11 @@ __all__ = ["DemoSettings", "Task", "TASKS", "get_task", "script_defaults"]
 
 
 # The sampler of the robosuite recipes (docs/robosuite.md): K = 8 rollouts from x_0 ~ N(0, I),
-# the last 4 steps stochastic, the learning curve sampled; Pusher's main job has its own.
+# the last 4 steps stochastic, the evaluation ODE at K = 20, the learning curve sampled;
+# Pusher's main job has its own.
 ROBOSUITE_SAMPLER = {
     "sampler.num_denoising_steps": 8,
+    "sampler.eval_num_denoising_steps": 20,
     "sampler.num_sde_steps": 4,
     "sampler.rollout_noise_scale": 1.0,
     "sampler.eval_noise_scale": 1.0,
