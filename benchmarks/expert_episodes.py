@@ -1,11 +1,13 @@
 """A robosuite scripted expert's success and episode lengths, with action noise.
 
-The tables in ``torchrl_flowpolicy.envs.lift_expert`` and ``torchrl_flowpolicy.envs.can_expert``
-come from this script: the expert (``LiftExpert`` or ``CanExpert``, built with ``from_env``)
+The tables in ``torchrl_flowpolicy.envs.lift_expert``, ``torchrl_flowpolicy.envs.can_expert``
+and ``torchrl_flowpolicy.envs.square_expert`` come from this script: the expert
+(``LiftExpert``, ``CanExpert`` or ``SquareExpert``, built with ``from_env``)
 runs ``--episodes`` episodes from reset seeds ``--first_seed`` on (never used for tuning),
 Gaussian noise of standard deviation ``--action_noise`` added to all 7 action entries and
-clipped, success ending an episode, up to ``--horizon`` steps. Prints one JSON line: the success rate, the successful episodes'
-length (mean, median, p90, max) and the success within shorter limits.
+clipped, success ending an episode, up to ``--horizon`` steps (default: 400). Prints one JSON
+line: the success rate, the successful episodes' length (mean, median, p90, max), the
+success within shorter limits and within the task's own horizon (``task_horizon``).
 
 Run (robosuite extra)::
 
@@ -22,7 +24,7 @@ import time
 import numpy as np
 
 from torchrl_flowpolicy.envs.robosuite_experts import EXPERTS
-from torchrl_flowpolicy.envs.robosuite_tasks import RobosuiteGymEnv
+from torchrl_flowpolicy.envs.robosuite_tasks import TASKS, RobosuiteGymEnv
 
 
 def main() -> None:
@@ -47,6 +49,7 @@ def main() -> None:
     env.close()
     lengths, successes = np.array(lengths), np.array(successes)
     won = lengths[successes]
+    task_horizon = TASKS[args.task].max_episode_steps
     limits = [limit for limit in (40, 50, 60, 100, 120, 150, 200, 250, 300) if limit < args.horizon]
     row = {
         "task": args.task,
@@ -54,6 +57,10 @@ def main() -> None:
         "seeds": [args.first_seed, args.first_seed + args.episodes - 1],
         "horizon": args.horizon,
         "success": round(float(successes.mean()), 3),
+        "task_horizon": task_horizon,
+        "success_within_task_horizon": round(
+            float((successes & (lengths <= task_horizon)).mean()), 3
+        ),
         "within": {
             limit: round(float((successes & (lengths <= limit)).mean()), 3) for limit in limits
         },

@@ -409,7 +409,9 @@ class TaskOptions:
     )
     reward: Literal["progress", "gymnasium", "success", "shaped"] = option(
         "progress",
-        "pusher: potential-based progress or gymnasium's own; lift, can: 1 at success or "
+        "pusher: potential-based progress or gymnasium's own; lift, can, square: 1 at success or "
         "robosuite's shaped reward",
     )
-    terminate_on_success: bool = option(True, "lift, can: the episode ends at the first success")
+    terminate_on_success: bool = option(
+        True, "lift, can, square: the episode ends at the first success"
+    )

@@ -1,5 +1,5 @@
 """DSRL: stock TorchRL SAC in the initial-noise space of a frozen flow policy (Pusher-v5;
-robosuite Lift and Can with ``--task``).
+robosuite Lift, Can and Square with ``--task``).
 
 Top to bottom: config -> the frozen pretrained policy (``examples/pretrain.py`` runs first
 when its checkpoint is missing) and its baselines on the learning-curve seeds (BC under both

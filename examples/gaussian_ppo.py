@@ -1,6 +1,7 @@
 """The Gaussian baseline of the main job: TorchRL's stock Gaussian actor, behaviour-cloned on
 the flow policy's demonstrations, then fine-tuned with TorchRL's stock ``ClipPPOLoss``
-(Pusher-v5; robosuite Lift and PickPlaceCan with ``--task lift`` / ``--task can``).
+(Pusher-v5; robosuite Lift, PickPlaceCan and NutAssemblySquare with ``--task lift`` /
+``--task can`` / ``--task square``).
 
 What a TorchRL user would run instead of the flow policy, on the same terms as
 ``examples/ppo.py``: the same demonstrations (those ``examples/pretrain.py`` loads for this
@@ -19,8 +20,13 @@ observation normaliser from the demonstrations) -> behaviour cloning (the TanhNo
 log-likelihood of the demonstration actions, loc and scale together,
 ``torchrl_flowpolicy.gaussian_baseline``) -> ``ClipPPOLoss`` with GAE, one Adam -> collector
 -> loop (critic warm-up first, evaluation on the curve seeds) -> held-out protocol ->
-plot, ``summary.json`` and ``checkpoint.pt`` (the actor's and critic's weights). No
-``--resume``. ``--quick`` runs the chain in well under a minute.
+plot, ``summary.json`` and ``checkpoint.pt`` (the actor's and critic's weights, the
+optimiser, the counters and every random generator's state, written every
+``--checkpoint_every`` iterations too). ``--resume`` continues a stopped run from its
+checkpoint, bit for bit: the set-up (behaviour cloning, the curve baselines) runs again as
+the uninterrupted run did, then the checkpoint's weights and random streams replace its
+own; ``--resume --total_env_steps N`` extends a finished run. ``--quick`` runs the chain in
+well under a minute.
 """
 
 from __future__ import annotations
@@ -102,6 +108,8 @@ class GaussianPPOConfig(TaskOptions):
     critic_warmup_iterations: int = option(3, "first iterations train the critic only", minimum=0)
     # Evaluation, logging.
     eval_every: int = option(10, "iterations between deterministic evaluations", minimum=1)
+    checkpoint_every: int = option(20, "iterations between checkpoints", minimum=1)
+    resume: bool = option(False, "continue from output_dir/checkpoint.pt")
     eval_episodes: int = option(
         50, "learning-curve episodes (curve seeds 10000+)", minimum=1, maximum=SPLIT_SIZE
     )
@@ -130,6 +138,7 @@ QUICK = {
     "eval_episodes": 4,
     "held_out_episodes": 4,
     "critic_warmup_iterations": 1,
+    "checkpoint_every": 2,
     "loggers": "csv",
     "threads": 1,
 }
@@ -166,8 +175,27 @@ def check_config(config: GaussianPPOConfig) -> torch.device:
     unknown = [name for name in split_list(config.loggers, "--loggers") if name not in LOGGERS]
     if unknown:
         raise ValueError(f"--loggers {config.loggers}: {unknown} not among {list(LOGGERS)}.")
-    check_output_dir(config.output_dir, resume=False, overwrite=config.overwrite, resumable=False)
+    check_output_dir(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    if config.resume:
+        runs.require_run_checkpoint(Path(config.output_dir) / "checkpoint.pt")
     return runs.resolve_device(config.device)
+
+
+def run_identity(config: GaussianPPOConfig) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed by this run: the task, the seed, the
+    demonstrations and the networks' sizes."""
+    demonstrations = {
+        "episodes": config.demo_episodes,
+        "action_noise": config.demo_action_noise,
+        "seed": pretrain.demonstration_seed(config),
+    }
+    networks = {"hidden_dim": config.hidden_dim, "num_layers": config.num_layers}
+    return {
+        "task": config.task,
+        "seed": config.seed,
+        "demonstrations": demonstrations,
+        "networks": networks,
+    }
 
 
 # ----------------------------------------------------------------------------- demonstrations
@@ -233,6 +261,10 @@ def main(config: GaussianPPOConfig) -> dict:
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     run = runs.RunProgress()
+    # The --resume checkpoint is refused now if it is another run's (task, seed,
+    # demonstrations, network sizes).
+    checkpoint, identity = output_dir / "checkpoint.pt", run_identity(config)
+    saved = runs.load_run(checkpoint, identity) if config.resume else None
 
     # Demonstrations: per-step (observation, action) pairs; the actor's action is [1, D].
     demos = load_demonstrations(config)
@@ -300,6 +332,11 @@ def main(config: GaussianPPOConfig) -> dict:
         ValueEstimators.GAE, gamma=config.gamma, lmbda=config.gae_lambda
     )
     optimizer = torch.optim.Adam(loss_module.parameters(), lr=config.learning_rate)
+    trained = {"actor": actor, "critic": critic, "bc_actor": bc_actor, "optimizer": optimizer}
+    if saved is not None:
+        saved = runs.resume_run(saved, trained)
+        run = runs.RunProgress.from_state(saved)
+        print(f"resumed from iteration {run.iteration} ({run.env_steps} env steps)")
 
     # Collector: full episodes from fresh resets seeded by the run seed and the iteration.
     steps_per_batch = config.num_envs * max_decisions
@@ -313,16 +350,24 @@ def main(config: GaussianPPOConfig) -> dict:
         collectors.first_reset_seed, config.seed, num_envs=config.num_envs
     )
     collector = collectors.make_collector(
-        actor, make_env, options, frames_per_batch=steps_per_batch, seed=batch_seed(1)
+        actor,
+        make_env,
+        options,
+        frames_per_batch=steps_per_batch,
+        seed=batch_seed(run.iteration + 1),
     )
     storage = LazyTensorStorage(steps_per_batch, device=device)
     replay_buffer = ReplayBuffer(
         storage=storage, sampler=SamplerWithoutReplacement(), batch_size=config.minibatch_size
     )
-    log = MetricLogger(config.loggers, f"gaussian_ppo_seed{config.seed}", output_dir, config).log
+    experiment, resume_step = f"gaussian_ppo_seed{config.seed}", run.env_steps if saved else None
+    log = MetricLogger(config.loggers, experiment, output_dir, config, resume_step).log
+    if saved is not None:  # the random streams where the checkpoint left them
+        runs.restore_random_state(saved["random_state"])
 
-    # Loop: one PPO iteration per batch until the env-step budget is spent.
+    # Loop: one PPO iteration per batch until the env-step budget is spent; checkpoints.
     bar = tqdm(desc="PPO env steps", total=config.total_env_steps)
+    bar.update(run.env_steps)
     batches = iter(collector)
     weights = TensorDict.from_module(actor)
     while run.env_steps < config.total_env_steps:
@@ -348,13 +393,16 @@ def main(config: GaussianPPOConfig) -> dict:
             row |= {f"eval/{name}": evaluation[name] for name in ("success_rate", "mean_return")}
             bar.set_postfix(success=f"{evaluation['success_rate']:.0%}")
         log({key.replace("loss_", "loss/"): row[key] for key in row}, run.env_steps)
+        if run.iteration % config.checkpoint_every == 0:
+            runs.save_run(checkpoint, trained, **identity, **run.state())
         bar.update(batch_steps)
     bar.close()
     collectors.shutdown_collector(collector, options, num_threads=config.threads)
     eval_env.close()
+    runs.save_run(checkpoint, trained, **identity, **run.state())
 
     # Evaluation: the held-out protocol (BC and PPO under both decodings, the expert, all per
-    # env step), plot, summary.json, checkpoint.
+    # env step), plot and summary.json.
     held_out = reports.held_out_protocol(
         bc_actor,
         actor,
@@ -373,8 +421,6 @@ def main(config: GaussianPPOConfig) -> dict:
     reports.write_run_report(
         output_dir, summary, name="PPO-Gaussian", title=title, label="PPO (Gaussian)"
     )
-    trained = {"actor": actor, "critic": critic, "bc_actor": bc_actor, "optimizer": optimizer}
-    runs.save_run(output_dir / "checkpoint.pt", trained, task=config.task, **run.state())
     return summary
 
 

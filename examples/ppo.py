@@ -1,5 +1,6 @@
 """PPO fine-tuning of a pretrained flow policy: the library's main job (Pusher-v5; robosuite
-Lift and PickPlaceCan with ``--task lift`` / ``--task can``).
+Lift, PickPlaceCan and NutAssemblySquare with ``--task lift`` / ``--task can`` /
+``--task square``).
 
 Top to bottom, in CleanRL's order: config -> the pretrained policy (``examples/pretrain.py``
 runs first when its checkpoint is missing) and the evaluation baselines -> critic,

@@ -170,3 +170,35 @@ def test_the_demonstrations_are_those_of_the_pretraining():
     assert pretrain.demonstration_seed(config) == 3
     config = gaussian_ppo.parse_args(["--seed", "3", "--demo_seed", "5"])
     assert pretrain.demonstration_seed(config) == 5
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumed_gives_the_uninterrupted_runs_numbers(tmp_path):
+    # The quick run takes 3 iterations of 600 env steps (checkpoints every 2); one run
+    # stopped after 2 iterations and resumed to 3 must log and learn exactly the same.
+    gaussian_ppo = load_example("gaussian_ppo")
+    demos = ["--demo_dir", str(tmp_path / "demos"), "--held_out_episodes", "2"]
+    whole, pieces = tmp_path / "whole", tmp_path / "pieces"
+    gaussian_ppo.main(gaussian_ppo.parse_args(["--quick", "--output_dir", str(whole), *demos]))
+    stopped = ["--quick", "--output_dir", str(pieces), *demos]
+    gaussian_ppo.main(gaussian_ppo.parse_args([*stopped, "--total_env_steps", "1200"]))
+    first = json.loads((pieces / "summary.json").read_text())
+    assert first["env_steps"] == 1200
+    gaussian_ppo.main(gaussian_ppo.parse_args([*stopped, "--resume"]))
+
+    def numbers(folder):
+        summary = json.loads((folder / "summary.json").read_text())
+        timing = ("wall_seconds", "seconds")
+        rows = [{k: v for k, v in row.items() if k not in timing} for row in summary["history"]]
+        actor = torch.load(folder / "checkpoint.pt", weights_only=True)["actor"]
+        return summary["env_steps"], rows, actor
+
+    steps, rows, actor = numbers(whole)
+    resumed_steps, resumed_rows, resumed_actor = numbers(pieces)
+    assert (resumed_steps, resumed_rows) == (steps, rows) and steps == 1800
+    assert actor.keys() == resumed_actor.keys()
+    for name in actor:
+        assert torch.equal(actor[name], resumed_actor[name]), name
+    # Another run's checkpoint is refused, naming what differs.
+    with pytest.raises(ValueError, match="seed: saved 0, this run 1"):
+        gaussian_ppo.main(gaussian_ppo.parse_args([*stopped, "--resume", "--seed", "1"]))

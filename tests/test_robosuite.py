@@ -1,9 +1,10 @@
-"""robosuite Lift and PickPlaceCan: the gymnasium adapter, the TorchRL environments, the
-experts and their demos.
+"""robosuite Lift, PickPlaceCan and NutAssemblySquare: the gymnasium adapter, the TorchRL
+environments, the experts and their demos.
 
 Covers :mod:`torchrl_flowpolicy.envs.robosuite_tasks` (and its layout,
 :mod:`~torchrl_flowpolicy.envs.robosuite_layout`), the experts of
-:mod:`~torchrl_flowpolicy.envs.lift_expert` and :mod:`~torchrl_flowpolicy.envs.can_expert`,
+:mod:`~torchrl_flowpolicy.envs.lift_expert`, :mod:`~torchrl_flowpolicy.envs.can_expert` and
+:mod:`~torchrl_flowpolicy.envs.square_expert`,
 and :mod:`~torchrl_flowpolicy.envs.robosuite_experts`. Skipped when robosuite is not installed.
 """
 
@@ -37,20 +38,30 @@ from torchrl_flowpolicy.envs.robosuite_tasks import (  # noqa: E402
     CAN_MAX_EPISODE_STEPS,
     DEFAULT_MAX_EPISODE_STEPS,
     OBSERVATION_SLICES,
+    SQUARE_MAX_EPISODE_STEPS,
     RobosuiteGymEnv,
     make_robosuite_env,
+)
+from torchrl_flowpolicy.envs.square_expert import (  # noqa: E402
+    SQUARE_PEG_POSITION,
+    SQUARE_TABLE_HEIGHT,
+    SquareExpert,
 )
 from torchrl_flowpolicy.envs.tasks import get_task  # noqa: E402
 from torchrl_flowpolicy.protocol import evaluate_expert  # noqa: E402
 
 LIFT = OBSERVATION_SLICES["Lift"]
 CAN = OBSERVATION_SLICES["PickPlaceCan"]
+SQUARE = OBSERVATION_SLICES["NutAssemblySquare"]
 # Lift's success: the cube's centre more than 0.04 m above the table top (z = 0.8 m).
 LIFTED_HEIGHT = 0.84
 
 
 def run_expert(
-    env: RobosuiteGymEnv, seed: int, steps: int, expert: LiftExpert | CanExpert | None = None
+    env: RobosuiteGymEnv,
+    seed: int,
+    steps: int,
+    expert: LiftExpert | CanExpert | SquareExpert | None = None,
 ):
     """Reset with ``seed`` and run the expert; returns the per-step transitions."""
     expert = expert or LiftExpert()
@@ -387,6 +398,108 @@ def test_can_demo_collection_layout():
     assert torch.equal(returns, demos["success"].float())
     assert demos["config"]["task"] == "PickPlaceCan"
     assert demos["config"]["max_episode_steps"] == CAN_MAX_EPISODE_STEPS
+
+
+# ----------------------------------------------------------------------------- NutAssemblySquare
+@pytest.fixture(scope="module")
+def square_env() -> RobosuiteGymEnv:
+    return RobosuiteGymEnv("NutAssemblySquare")
+
+
+def test_square_layout_matches_robosuite(square_env):
+    assert square_env.max_episode_steps == SQUARE_MAX_EPISODE_STEPS
+    observation, _ = square_env.reset(seed=0)
+    assert observation.shape == (64,) and observation.dtype == np.float32
+    assert not observation[SQUARE["nut_to_eef_pos"]].any()  # robosuite's reset quirk
+    observation = square_env.step(np.zeros(7))[0]
+    raw = square_env.robosuite_env._get_observations()
+    for name, key in (
+        ("nut_pos", "SquareNut_pos"),
+        ("nut_quat", "SquareNut_quat"),
+        ("nut_to_eef_pos", "SquareNut_to_robot0_eef_pos"),
+    ):
+        np.testing.assert_array_equal(observation[SQUARE[name]], raw[key].astype(np.float32))
+    np.testing.assert_array_equal(
+        observation[SQUARE["eef_pos"]], raw["robot0_eef_pos"].astype(np.float32)
+    )
+
+
+def test_square_same_seed_same_initial_state_bit_for_bit(square_env):
+    # Both placement samplers (square and round nut) draw from the installed generator.
+    first, _ = square_env.reset(seed=7)
+    robosuite_env = square_env.robosuite_env
+    samplers = robosuite_env.placement_initializer.samplers.values()
+    assert all(sampler.rng is robosuite_env.rng for sampler in samplers)
+    actions = np.random.default_rng(0).uniform(-1, 1, size=(5, 7))
+    trajectory = [square_env.step(action)[0] for action in actions]
+    other = RobosuiteGymEnv("NutAssemblySquare")
+    other.reset(seed=3)
+    other.step(np.ones(7))
+    again, _ = other.reset(seed=7)
+    np.testing.assert_array_equal(again, first)
+    np.testing.assert_array_equal(np.stack([other.step(a)[0] for a in actions]), trajectory)
+    # Different seeds: different nut placements; reseeding repeats.
+    poses = [square_env.reset(seed=seed)[0][SQUARE["nut_pos"]][:2] for seed in (7, 8, 7)]
+    assert np.abs(poses[0] - poses[1]).max() > 1e-3
+    np.testing.assert_array_equal(poses[2], poses[0])
+
+
+def test_square_peg_default_is_the_simulators(square_env):
+    expert = SquareExpert.from_env(square_env)
+    robosuite_env = square_env.robosuite_env
+    peg = robosuite_env.sim.data.body_xpos[robosuite_env.peg1_body_id]
+    np.testing.assert_allclose(expert.peg_position, peg, atol=1e-12)
+    np.testing.assert_allclose(SquareExpert().peg_position, SQUARE_PEG_POSITION, atol=0)
+    np.testing.assert_allclose(peg, SQUARE_PEG_POSITION, atol=1e-12)
+    assert expert.table_height == SquareExpert().table_height == SQUARE_TABLE_HEIGHT
+    # robosuite's success tests the nut against this peg.
+    assert robosuite_env.on_peg(np.array([*SQUARE_PEG_POSITION[:2], 0.84]), 0)
+    assert not robosuite_env.on_peg(np.array([*SQUARE_PEG_POSITION[:2], 0.84]), 1)
+
+
+def test_square_expert_puts_the_nut_on_the_peg_clean(square_env):
+    # Reset seeds 100-102: outside the seeds 0-99 that the expert was tuned on.
+    expert = SquareExpert.from_env(square_env)
+    lengths = []
+    for seed in (100, 101, 102):
+        transitions = run_expert(square_env, seed, SQUARE_MAX_EPISODE_STEPS, expert=expert)
+        observation, reward, terminated, truncated, info = transitions[-1]
+        assert terminated and info["success"] and reward == 1.0, f"seed {seed}"
+        assert square_env.check_success()
+        nut = observation[SQUARE["nut_pos"]]
+        assert np.abs(nut[:2] - np.array(SQUARE_PEG_POSITION[:2])).max() < 0.03
+        assert nut[2] < SQUARE_TABLE_HEIGHT + 0.05  # down the peg
+        lengths.append(len(transitions))
+    assert max(lengths) <= 180  # measured on seeds 1000-1099: see square_expert
+
+
+def test_square_expert_is_batched_and_stateless(square_env):
+    observations = np.stack([square_env.reset(seed=seed)[0] for seed in range(3)])
+    batched = SquareExpert().clean_action(observations.reshape(3, 1, 64))
+    assert batched.shape == (3, 1, 7)
+    for index in range(3):
+        np.testing.assert_allclose(
+            batched[index, 0], SquareExpert().clean_action(observations[index])
+        )
+    assert np.abs(batched).max() <= 1
+    with pytest.raises(ValueError, match="64 features"):
+        SquareExpert().clean_action(np.zeros((2, 60)))
+    with pytest.raises(ValueError, match="positive"):
+        SquareExpert(place_tolerance=0.0)
+
+
+def test_square_task_builds_a_batched_chunked_env():
+    task = get_task("square")
+    assert task.observation_dim == max(s.stop for s in SQUARE.values()) == 64
+    assert task.max_episode_steps == SQUARE_MAX_EPISODE_STEPS and task.max_eval_envs == 25
+    env = task.make_env(2, 4, **task.defaults)
+    assert env.observation_spec["observation"].shape == (2, 64)
+    assert env.action_spec.shape == (2, 4, 7)
+    assert env.rollout(2)["next", "observation"].shape == (2, 2, 64)
+    policy_env = task.make_env(2, None, **task.defaults)
+    policy = task.make_expert(policy_env)
+    assert isinstance(policy.expert, SquareExpert)
+    np.testing.assert_allclose(policy.expert.peg_position, SQUARE_PEG_POSITION)
 
 
 # ----------------------------------------------------------------------------- errors

@@ -74,15 +74,29 @@ def test_every_task_sets_every_field():
     assert len(checkpoints) == len(TASKS)  # no task picks up another's policy by default
 
 
+def test_square_entry():
+    square, can = get_task("square"), get_task("can")
+    assert (square.observation_dim, square.action_dim) == (64, 7)
+    assert square.max_episode_steps % 4 == 0  # whole decisions of H' = 4
+    assert (square.demos.num_episodes, square.demos.action_noise) == (25, 0.3)
+    assert square.output_suffix == "_square" and square.max_eval_envs == 25
+    assert square.pretrained_checkpoint == "outputs/pretrain_square/policy.pt"
+    assert square.run_defaults == can.run_defaults  # Can's recipe, copied
+    assert square.option_defaults == can.option_defaults
+    assert square.make_env.args == ("NutAssemblySquare",)  # the robosuite task it builds
+
+
 def test_unknown_task_is_an_error_listing_the_tasks():
-    with pytest.raises(ValueError, match=r"unknown task 'push'.*\['can', 'lift', 'pusher'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown task 'push'.*\['can', 'lift', 'pusher', 'square'\]"
+    ):
         get_task("push")
 
 
 def test_no_caller_compares_task_names():
     # The behaviour is tested below (a task added to the registry only); this keeps the
     # name comparisons from coming back.
-    pattern = re.compile(r"""(==|!=)\s*["'](pusher|lift|can)["']|\btask\s*(==|!=)""")
+    pattern = re.compile(r"""(==|!=)\s*["'](pusher|lift|can|square)["']|\btask\s*(==|!=)""")
     found = [
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
         for folder in ("torchrl_flowpolicy", "examples", "benchmarks")

@@ -5,12 +5,12 @@ success test, :class:`PusherTask`, :func:`make_pusher_env`),
 :mod:`~torchrl_flowpolicy.envs.pusher_expert` (the scripted :class:`PusherExpert`) and
 :mod:`~torchrl_flowpolicy.envs.pusher_demos` (rolling it out into demonstrations).
 :mod:`~torchrl_flowpolicy.envs.tasks` is the registry of the tasks the examples run
-(``"pusher"``, robosuite's ``"lift"`` and ``"can"``): each :class:`Task` holds all that
+(``"pusher"``, robosuite's ``"lift"``, ``"can"`` and ``"square"``): each :class:`Task` holds all that
 differs between them; their robosuite parts are imported only when used:
 :mod:`~torchrl_flowpolicy.envs.robosuite_layout` (the task specifications and observation
 layout), :mod:`~torchrl_flowpolicy.envs.robosuite_tasks` (the environments),
-:mod:`~torchrl_flowpolicy.envs.lift_expert` and :mod:`~torchrl_flowpolicy.envs.can_expert`
-(the scripted experts, sharing :mod:`~torchrl_flowpolicy.envs.robosuite_expert_base`) and
+:mod:`~torchrl_flowpolicy.envs.lift_expert`, :mod:`~torchrl_flowpolicy.envs.can_expert` and
+:mod:`~torchrl_flowpolicy.envs.square_expert` (the scripted experts, sharing :mod:`~torchrl_flowpolicy.envs.robosuite_expert_base`) and
 :mod:`~torchrl_flowpolicy.envs.robosuite_experts` (the experts as policies and
 demonstrations).
 :mod:`~torchrl_flowpolicy.envs.demonstrations` caches any task's demonstrations.

@@ -3,8 +3,9 @@
 :data:`EXPERTS` maps each robosuite task to its scripted expert:
 :class:`~torchrl_flowpolicy.envs.lift_expert.LiftExpert` picks up Lift's cube and
 :class:`~torchrl_flowpolicy.envs.can_expert.CanExpert` puts PickPlaceCan's can into its
-compartment of bin 2 (both re-exported here; their success rates and episode lengths, and
-the choice of each task's horizon, are in their modules' docstrings).
+compartment of bin 2 and :class:`~torchrl_flowpolicy.envs.square_expert.SquareExpert` puts
+NutAssemblySquare's nut on its peg (all re-exported here; their success rates and episode
+lengths, and the choice of each task's horizon, are in their modules' docstrings).
 :class:`RobosuiteExpertPolicy` runs one in a TorchRL environment from
 :func:`~torchrl_flowpolicy.envs.robosuite_tasks.make_robosuite_env`, and
 :func:`collect_robosuite_demos` rolls it out with action noise to make demonstrations in the
@@ -33,6 +34,7 @@ from torchrl_flowpolicy.envs.lift_expert import LiftExpert
 from torchrl_flowpolicy.envs.robosuite_expert_base import ACTION_DIM
 from torchrl_flowpolicy.envs.robosuite_layout import TASKS, RewardMode
 from torchrl_flowpolicy.envs.robosuite_tasks import RobosuiteGymEnv
+from torchrl_flowpolicy.envs.square_expert import SQUARE_PEG_POSITION, SquareExpert
 
 __all__ = [
     "ACTION_DIM",
@@ -43,19 +45,23 @@ __all__ = [
     "CanExpert",
     "LiftExpert",
     "RobosuiteExpertPolicy",
+    "SQUARE_PEG_POSITION",
+    "SquareExpert",
     "collect_robosuite_demos",
 ]
 
 
 # Each has from_env(env, **kwargs): the expert for one environment.
-EXPERTS: dict[str, type[LiftExpert] | type[CanExpert]] = {
+EXPERTS: dict[str, type[LiftExpert] | type[CanExpert] | type[SquareExpert]] = {
     "Lift": LiftExpert,
     "PickPlaceCan": CanExpert,
+    "NutAssemblySquare": SquareExpert,
 }
 
 
 class RobosuiteExpertPolicy(TensorDictModuleBase):
-    """A scripted expert (:class:`LiftExpert`, :class:`CanExpert`) as a TorchRL policy.
+    """A scripted expert (:class:`LiftExpert`, :class:`CanExpert`, :class:`SquareExpert`) as a
+    TorchRL policy.
 
     Reads ``"observation"`` (``[*B, O]``) and writes ``"action"`` (``[*B, 7]``, the expert's
     noisy clipped action, in the observation's dtype and device). The expert is stateless, so
@@ -76,7 +82,7 @@ class RobosuiteExpertPolicy(TensorDictModuleBase):
         torch.Size([2, 5, 7])
     """
 
-    def __init__(self, env: EnvBase, expert: LiftExpert | CanExpert):
+    def __init__(self, env: EnvBase, expert: LiftExpert | CanExpert | SquareExpert):
         super().__init__()
         batch = tuple(env.batch_size)
         action_shape = tuple(env.action_spec.shape)
@@ -134,8 +140,9 @@ def collect_robosuite_demos(
             :attr:`~torchrl_flowpolicy.envs.robosuite_tasks.RobosuiteTask.max_episode_steps`).
 
     Keyword Args:
-        task: the robosuite task: ``"Lift"`` (:class:`LiftExpert`) or ``"PickPlaceCan"``
-            (:class:`CanExpert`, for the environment's layout: :meth:`CanExpert.from_env`).
+        task: the robosuite task: ``"Lift"`` (:class:`LiftExpert`), ``"PickPlaceCan"``
+            (:class:`CanExpert`) or ``"NutAssemblySquare"`` (:class:`SquareExpert`), each for
+            the environment's layout (``from_env``).
         reward: the stored reward, as for :class:`~torchrl_flowpolicy.envs.robosuite_tasks.RobosuiteGymEnv`.
         terminate_on_success: whether an episode ends at its first success.
         progress: called with 1 after every episode (e.g. a tqdm ``update``).

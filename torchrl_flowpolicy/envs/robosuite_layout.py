@@ -26,6 +26,18 @@ Task facts (robosuite 1.5.2, MuJoCo 3.9.0, robot ``"Panda"``):
   can's relative entries (``can_to_eef_*``, its pose in the hand frame) read 0 in a reset's
   observation (robosuite computes them from a cache that is empty then); the absolute ones
   are right.
+- NutAssemblySquare: a square nut (a square ring 0.0875 m wide outside with a 0.0455 m hole,
+  0.02 m thick, about 16 g, and a handle 0.032 m wide along its x axis from 0.029 to 0.079 m
+  off its centre) lies flat on the table, its centre uniform in ``x in [-0.115, -0.11]``,
+  ``y in [0.11, 0.225]`` with a uniform yaw (the round nut is placed too, from the same
+  generator, then moved out of the scene). The square peg (``peg1``, 0.032 m square, 0.2 m
+  tall: its top at z = 0.95 m) stands at ``(0.23, 0.1)``, the table top at z = 0.82 m.
+  Success (``_check_success``): the nut's centre within 0.03 m of the peg's axis in x and y
+  and less than 0.05 m above the table (so around the peg), and the grip site more than
+  0.042 m from it (the handle's middle is 0.054 m away, so a nut still held counts). The
+  robot's base is at ``(-0.56, 0)``: with the handle pointing away from the robot, the hand
+  above the peg is out of reach. The relative entries (``nut_to_eef_*``) read 0 in a reset's
+  observation, as Can's.
 
 Examples:
     >>> OBSERVATION_SLICES["Lift"]["cube_pos"], OBSERVATION_SLICES["Lift"]["eef_pos"]
@@ -46,6 +58,7 @@ __all__ = [
     "OBSERVATION_SLICES",
     "PROPRIO_SLICES",
     "REWARD_MODES",
+    "SQUARE_MAX_EPISODE_STEPS",
     "TASKS",
     "RewardMode",
     "RobosuiteTask",
@@ -55,11 +68,14 @@ __all__ = [
 RewardMode = Literal["success", "shaped"]
 REWARD_MODES: tuple[RewardMode, ...] = ("success", "shaped")
 
-# Lift's horizon (the default task's) and PickPlaceCan's, chosen from their experts'
-# measured episode lengths: see the docstrings of lift_expert and can_expert. Each task has
-# its own (RobosuiteTask.max_episode_steps).
+# Lift's horizon (the default task's), PickPlaceCan's and NutAssemblySquare's, chosen from
+# their experts' measured episode lengths: see the docstrings of lift_expert, can_expert and
+# square_expert. Each task has its own (RobosuiteTask.max_episode_steps). NutAssemblySquare's:
+# about twice the clean expert's longest episode on the unseen seeds (143 steps), a multiple
+# of 4 (72 decisions of H' = 4 executed actions).
 DEFAULT_MAX_EPISODE_STEPS = 60
 CAN_MAX_EPISODE_STEPS = 250
+SQUARE_MAX_EPISODE_STEPS = 288
 
 #: ``robot0_proprio-state`` of the Panda (50 features), relative to its start.
 PROPRIO_SLICES: dict[str, slice] = {
@@ -91,8 +107,9 @@ class RobosuiteTask:
         make_kwargs: further fixed arguments of ``robosuite.make``.
         max_episode_steps: the task's default time limit, in environment steps (chosen from
             its scripted expert's episode lengths: see
-            :mod:`~torchrl_flowpolicy.envs.lift_expert` and
-            :mod:`~torchrl_flowpolicy.envs.can_expert`).
+            :mod:`~torchrl_flowpolicy.envs.lift_expert`,
+            :mod:`~torchrl_flowpolicy.envs.can_expert` and
+            :mod:`~torchrl_flowpolicy.envs.square_expert`).
     """
 
     env_name: str
@@ -133,6 +150,17 @@ TASKS: dict[str, RobosuiteTask] = {
             "can_quat": slice(10, 14),  # (x, y, z, w)
         },
         max_episode_steps=CAN_MAX_EPISODE_STEPS,
+    ),
+    # robosuite's NutAssemblySquare is NutAssembly(single_object_mode=2, nut_type="square").
+    "NutAssemblySquare": RobosuiteTask(
+        env_name="NutAssemblySquare",
+        object_slices={
+            "nut_to_eef_pos": slice(0, 3),  # the nut's position in the hand frame (0 at reset)
+            "nut_to_eef_quat": slice(3, 7),  # its orientation in the hand frame (0 at reset)
+            "nut_pos": slice(7, 10),  # the ring's centre, world frame, m
+            "nut_quat": slice(10, 14),  # (x, y, z, w); the handle along the nut's x axis
+        },
+        max_episode_steps=SQUARE_MAX_EPISODE_STEPS,
     ),
 }
 

@@ -1,12 +1,13 @@
-"""robosuite manipulation tasks (Lift, PickPlaceCan) as gymnasium and TorchRL environments.
+"""robosuite manipulation tasks (Lift, PickPlaceCan, NutAssemblySquare) as gymnasium and
+TorchRL environments.
 
 :class:`RobosuiteGymEnv` adapts one robosuite task to gymnasium; :func:`make_robosuite_env`
 batches it (:class:`~torchrl_flowpolicy.envs.BatchedGymEnv`) and optionally chunks it, like
 :func:`~torchrl_flowpolicy.envs.make_pusher_env`. The tasks' specifications and the
 observation layout (:data:`TASKS`, :data:`OBSERVATION_SLICES`, re-exported here) live in
 :mod:`~torchrl_flowpolicy.envs.robosuite_layout`, the scripted experts in
-:mod:`~torchrl_flowpolicy.envs.lift_expert` and :mod:`~torchrl_flowpolicy.envs.can_expert`,
-and running them as policies and demonstrations in
+:mod:`~torchrl_flowpolicy.envs.lift_expert`, :mod:`~torchrl_flowpolicy.envs.can_expert` and
+:mod:`~torchrl_flowpolicy.envs.square_expert`, and running them as policies and demonstrations in
 :mod:`~torchrl_flowpolicy.envs.robosuite_experts`. robosuite is an optional dependency
 (``pip install torchrl_flowpolicy[robosuite]``), imported only when an environment is built.
 
@@ -18,7 +19,9 @@ success. Here robosuite never ends an episode (``ignore_done=True``); our own st
 truncates it, the task's own ``_check_success()`` terminates it, and ``reset(seed=s)``
 installs ``np.random.default_rng(s)`` (gymnasium's ``self.np_random``) as ``env.rng`` and as
 the ``rng`` of every placement sampler, so the same seed gives the same initial state, bit
-for bit (robot joint noise, object position and yaw).
+for bit (robot joint noise, object position and yaw; NutAssemblySquare's
+``SequentialCompositeSampler`` holds one sampler per nut, both get it, and it draws the
+round nut's placement too before moving that nut out of the scene).
 
 Task facts (robosuite 1.5.2, MuJoCo 3.9.0, robot ``"Panda"``, the default controller):
 
@@ -29,8 +32,8 @@ Task facts (robosuite 1.5.2, MuJoCo 3.9.0, robot ``"Panda"``, the default contro
   internal command by 0.2 towards closed (``> 0``) or open (``< 0``), so opening or closing
   fully takes 5-10 steps and this command is state that the observation does not show
   (only the fingers' positions and velocities). Control at 20 Hz (25 physics steps of 2 ms).
-- Lift and PickPlaceCan: their objects, initial states and success tests are in
-  :mod:`~torchrl_flowpolicy.envs.robosuite_layout`.
+- Lift, PickPlaceCan and NutAssemblySquare: their objects, initial states and success tests
+  are in :mod:`~torchrl_flowpolicy.envs.robosuite_layout`.
 
 Rewards (``reward``): ``"success"`` gives 1.0 on the step where ``_check_success()`` first
 holds, else 0 (an episode's return is its success). ``"shaped"`` is robosuite's own staged
@@ -44,11 +47,13 @@ chunked or not) environment steps/s through :func:`make_robosuite_env` with rand
 reset costs about 1 ms (a hard reset, which rebuilds the simulation, about 90 ms); building
 an environment about 1 s the first time in a process, 0.1 s after; an offscreen 256x256 frame
 40-45 ms. The default horizons (:data:`DEFAULT_MAX_EPISODE_STEPS` = 60 steps, 3 s, for Lift;
-:data:`CAN_MAX_EPISODE_STEPS` = 250 steps, 12.5 s, for PickPlaceCan) and the scripted experts'
-success rates and episode lengths are in :mod:`~torchrl_flowpolicy.envs.lift_expert` and
-:mod:`~torchrl_flowpolicy.envs.can_expert`:
-the clean experts lift the cube in 24 steps on average (at most 29) and place the can in 96
-(at most 120); uniform random actions never do either.
+:data:`CAN_MAX_EPISODE_STEPS` = 250 steps, 12.5 s, for PickPlaceCan;
+:data:`SQUARE_MAX_EPISODE_STEPS` = 288 steps, 14.4 s, for NutAssemblySquare) and the scripted
+experts' success rates and episode lengths are in :mod:`~torchrl_flowpolicy.envs.lift_expert`,
+:mod:`~torchrl_flowpolicy.envs.can_expert` and :mod:`~torchrl_flowpolicy.envs.square_expert`:
+the clean experts lift the cube in 24 steps on average (at most 29), place the can in 96
+(at most 120) and put the nut on its peg in 90 (at most 143, in 97 % of the episodes);
+uniform random actions never lift the cube or place the can (not measured for the nut).
 
 robosuite's own log (its import's warnings about macros and optional robot models, one
 "Loading controller configuration" per simulator) is quiet: only its errors are shown. Set
@@ -79,6 +84,7 @@ from torchrl_flowpolicy.envs.robosuite_layout import (
     OBSERVATION_SLICES,
     PROPRIO_SLICES,
     REWARD_MODES,
+    SQUARE_MAX_EPISODE_STEPS,
     TASKS,
     RewardMode,
     RobosuiteTask,
@@ -92,6 +98,7 @@ __all__ = [
     "OBSERVATION_SLICES",
     "PROPRIO_SLICES",
     "REWARD_MODES",
+    "SQUARE_MAX_EPISODE_STEPS",
     "TASKS",
     "RewardMode",
     "RobosuiteTask",
@@ -133,11 +140,12 @@ class RobosuiteGymEnv(gym.Env):
     fixes the random properties of the model drawn once at construction (the cube's size).
 
     Args:
-        task: ``"Lift"`` or ``"PickPlaceCan"`` (:data:`TASKS`).
+        task: ``"Lift"``, ``"PickPlaceCan"`` or ``"NutAssemblySquare"`` (:data:`TASKS`).
 
     Keyword Args:
         max_episode_steps: the time limit, in steps of 0.05 s (``None``: the task's,
-            :attr:`RobosuiteTask.max_episode_steps`: 60 for Lift, 250 for PickPlaceCan).
+            :attr:`RobosuiteTask.max_episode_steps`: 60 for Lift, 250 for PickPlaceCan,
+            :data:`SQUARE_MAX_EPISODE_STEPS` for NutAssemblySquare).
         reward: ``"success"`` (1.0 on the first successful step) or ``"shaped"``
             (robosuite's staged reward; module docstring).
         terminate_on_success: whether success ends the episode (``terminated=True``).
@@ -382,7 +390,7 @@ def make_robosuite_env(
             for one action per step.
 
     Keyword Args:
-        task: ``"Lift"`` or ``"PickPlaceCan"``.
+        task: ``"Lift"``, ``"PickPlaceCan"`` or ``"NutAssemblySquare"``.
         max_episode_steps: the time limit (truncation), in environment steps (``None``: the
             task's, :attr:`RobosuiteTask.max_episode_steps`).
         reward: ``"success"`` or ``"shaped"`` (:class:`RobosuiteGymEnv`).
