@@ -410,7 +410,7 @@ def test_resuming_a_corrupt_checkpoint_says_it_is_corrupt(script, example, monke
         module.main(config)
 
 
-def test_lift_defaults_are_the_fine_tuning_recipe(example):
+def test_robosuite_defaults_are_the_fine_tuning_recipes(example):
     # --task lift runs the recipe of docs/robosuite.md (25 demonstrations, 48 envs, strong
     # self-imitation, lr 1e-4, 600k env steps) in every script that clones demonstrations;
     # --quick and the command line still win over it.
@@ -432,16 +432,25 @@ def test_lift_defaults_are_the_fine_tuning_recipe(example):
         config.pretrain.demo_episodes,
         config.pretrain.demo_action_noise,
     ) == recipe
-    # The robosuite recipes keep the sampler they were published with (K = 8 from
-    # x_0 ~ N(0, I), the last 4 steps stochastic); Pusher keeps its own main-job recipe.
-    for task, num_envs in (("lift", 48), ("can", 16)):
-        robosuite = ppo.parse_args(["--task", task])
-        sampler = robosuite.sampler
-        assert (sampler.num_denoising_steps, sampler.num_sde_steps) == (8, 4)
-        assert sampler.eval_num_denoising_steps == 20
-        assert (sampler.rollout_noise_scale, sampler.eval_noise_scale) == (1.0, 1.0)
-        assert robosuite.num_envs == num_envs
-    assert ppo.parse_args(["--task", "can"]).actor_learning_rate == 3e-5
+    # Lift keeps the sampler its recipe was published with (K = 8 from x_0 ~ N(0, I), the
+    # last 4 steps stochastic); Can's second-round recipe runs the main job's sampler.
+    sampler = config.sampler
+    assert (sampler.num_denoising_steps, sampler.num_sde_steps) == (8, 4)
+    assert sampler.eval_num_denoising_steps == 20
+    assert (sampler.rollout_noise_scale, sampler.eval_noise_scale) == (1.0, 1.0)
+    can = ppo.parse_args(["--task", "can"])
+    main_job = ppo.parse_args([]).sampler
+    assert can.sampler == main_job
+    can_recipe = (24, 504, 1.0, 1e-4, 362_880, 20, 0.3)
+    assert (
+        can.num_envs,
+        can.minibatch_size,
+        can.bc_coeff,
+        can.actor_learning_rate,
+        can.total_env_steps,
+        can.pretrain.demo_episodes,
+        can.pretrain.demo_action_noise,
+    ) == can_recipe
     pusher = ppo.parse_args([])
     assert (pusher.num_envs, pusher.sampler.num_denoising_steps) == (32, 4)
     assert pusher.sampler.eval_num_denoising_steps == 4
