@@ -412,8 +412,8 @@ def test_resuming_a_corrupt_checkpoint_says_it_is_corrupt(script, example, monke
 
 def test_robosuite_defaults_are_the_fine_tuning_recipes(example):
     # --task lift runs the recipe of docs/robosuite.md (25 demonstrations, 48 envs, strong
-    # self-imitation, lr 1e-4, 600k env steps) in every script that clones demonstrations;
-    # --quick and the command line still win over it.
+    # self-imitation, lr 1e-4, 600k env steps) in every script that clones demonstrations,
+    # --task can its second-round recipe; --quick and the command line still win over them.
     dsrl = example("dsrl")
     ppo = example("ppo")
     pretrain = example("pretrain")
