@@ -13,8 +13,11 @@ chunk ``x_0 = 0``. With ``uniform_noise_bounds`` it also decodes noise drawn uni
 ``[-m, m]^(H x D)`` for each bound ``m`` (through DSRL's
 :class:`~torchrl_flowpolicy.dsrl.NoiseActionTransform`): how good the frozen policy is
 anywhere in a DSRL noise box, before any training. With ``--expert`` the clean scripted
-expert runs on the same states. Every evaluation uses the same states and the same initial
-noise (paired). Prints one line per evaluation with its Wilson 95 % interval and writes
+expert runs on the same states. With ``--failure_kinds`` each row also counts its episodes
+by why they failed, for a task whose registry entry sorts them (``Task.episode_kinds``;
+PickPlaceCan: never lifted, not released, fallen over, released upright elsewhere,
+:mod:`torchrl_flowpolicy.envs.can_outcomes`). Every evaluation uses the same states and the
+same initial noise (paired). Prints one line per evaluation with its Wilson 95 % interval and writes
 them, with the per-episode successes, to ``output_json``. With ``--baseline`` (a pretrained
 checkpoint) every checkpoint is also compared with it under the evaluation protocol
 (``torchrl_flowpolicy.protocol.protocol_summary``): both decodings of each, the expert on the
@@ -61,7 +64,7 @@ from torchrl.modules import RandomPolicy
 from tqdm import tqdm
 
 from torchrl_flowpolicy.dsrl import NoiseActionTransform
-from torchrl_flowpolicy.envs import get_task
+from torchrl_flowpolicy.envs import TASKS, get_task
 from torchrl_flowpolicy.envs.tasks import script_defaults
 from torchrl_flowpolicy.evaluation import evaluate_decodings, evaluate_episodes
 from torchrl_flowpolicy.models import SavedPolicy, load_policy_checkpoint
@@ -108,6 +111,9 @@ class EvaluateConfig(TaskOptions):
         "held_out (30000+, final numbers only)",
     )
     expert: bool = option(False, "also run the clean scripted expert on the same states")
+    failure_kinds: bool = option(
+        False, "also sort the episodes by why they failed (tasks with episode kinds: can)"
+    )
     baseline: str = option(
         "", "a pretrained checkpoint: compare every checkpoint with it under the protocol"
     )
@@ -142,6 +148,11 @@ class EvaluateConfig(TaskOptions):
             (
                 not self.baseline and self.reported_decoding != "sampled",
                 f"--reported_decoding {self.reported_decoding}: only with --baseline",
+            ),
+            (
+                self.failure_kinds and get_task(self.task).episode_kinds is None,
+                f"--failure_kinds: --task {self.task} does not sort its episodes "
+                f"(tasks that do: {[name for name, t in TASKS.items() if t.episode_kinds]})",
             ),
         ]
         return [message for broken, message in rules if broken]
@@ -258,15 +269,27 @@ def load_checkpoint_policy(path: str, config: EvaluateConfig) -> SavedPolicy:
     return saved
 
 
-def report_row(outcomes: dict[str, torch.Tensor], label: str, **row: object) -> dict:
-    """One evaluation's row (:func:`~torchrl_flowpolicy.reports.outcome_summary` and the per-episode successes),
-    printed as ``label``; ``row`` adds columns."""
+def report_row(
+    outcomes: dict[str, torch.Tensor],
+    label: str,
+    kind_names: tuple[str, ...] = (),
+    **row: object,
+) -> dict:
+    """One evaluation's row (:func:`~torchrl_flowpolicy.reports.outcome_summary` and the
+    per-episode successes; with a ``"kind"`` entry, indices into ``kind_names``, the episodes'
+    kinds and lengths too), printed as ``label``; ``row`` adds columns."""
     result = outcome_summary(outcomes)
     tqdm.write(
         f"{label}: success {result['success_rate']:.1%} "
         f"[{100 * result['success_low']:.1f}, {100 * result['success_high']:.1f}], "
         f"return {result['mean_return']:.2f} ({result['num_episodes']} episodes)"
     )
+    if "kind" in outcomes:  # --failure_kinds: the counts, each episode's kind and length
+        kinds = [kind_names[kind] for kind in outcomes["kind"].tolist()]
+        result["episode_kinds"] = {name: kinds.count(name) for name in kind_names}
+        result["episode_kind"] = kinds
+        result["episode_length"] = outcomes["length"].tolist()
+        tqdm.write(f"  episodes by kind: {result['episode_kinds']}")
     return {**row, **result, "episode_success": outcomes["success"].int().tolist()}
 
 
@@ -280,10 +303,16 @@ def evaluate_row(
 ) -> dict:
     """One evaluation on the split's seeds, printed as ``label``; ``row`` adds columns."""
     seed = split_seed(config.split, config.eval_episodes)
+    kinds = get_task(config.task).episode_kinds if config.failure_kinds else None
     outcomes = evaluate_episodes(
-        actor, env, max_decisions=max_decisions, seed=seed, num_episodes=config.eval_episodes
+        actor,
+        env,
+        max_decisions=max_decisions,
+        seed=seed,
+        num_episodes=config.eval_episodes,
+        details=kinds.classify if kinds else None,
     )
-    return report_row(outcomes, label, **row)
+    return report_row(outcomes, label, kinds.names if kinds else (), **row)
 
 
 def record_video(

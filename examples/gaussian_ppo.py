@@ -19,14 +19,15 @@ Top to bottom: config -> demonstrations -> actor and critic (the reference
 observation normaliser from the demonstrations) -> behaviour cloning (the TanhNormal
 log-likelihood of the demonstration actions, loc and scale together,
 ``torchrl_flowpolicy.gaussian_baseline``) -> ``ClipPPOLoss`` with GAE, one Adam -> collector
--> loop (critic warm-up first, evaluation on the curve seeds) -> held-out protocol ->
-plot, ``summary.json`` and ``checkpoint.pt`` (the actor's and critic's weights, the
-optimiser, the counters and every random generator's state, written every
-``--checkpoint_every`` iterations too). ``--resume`` continues a stopped run from its
-checkpoint, bit for bit: the set-up (behaviour cloning, the curve baselines) runs again as
-the uninterrupted run did, then the checkpoint's weights and random streams replace its
-own; ``--resume --total_env_steps N`` extends a finished run. ``--quick`` runs the chain in
-well under a minute.
+(this process, or ``--collector_workers N`` processes as in ``examples/ppo.py``) -> loop
+(critic warm-up first, evaluation on the curve seeds) -> held-out protocol -> plot,
+``summary.json`` and ``checkpoint.pt`` (the actor's and critic's weights, the optimiser, the
+counters and every random generator's state, written every ``--checkpoint_every``
+iterations too). ``--resume`` continues a stopped run from its checkpoint, bit for bit with
+one collector process (worker processes start new sampling streams): the set-up (behaviour
+cloning, the curve baselines) runs again as the uninterrupted run did, then the
+checkpoint's weights and random streams replace its own; ``--resume --total_env_steps N``
+extends a finished run. ``--quick`` runs the chain in well under a minute.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class GaussianPPOConfig(TaskOptions):
         1e-3, "demo actions moved inside the bounds by this share of the half-range", above=0
     )
     # PPO (TorchRL's ClipPPOLoss, the reference ppo_mujoco.py settings).
-    num_envs: int = option(16, "training environments", minimum=1)
+    num_envs: int = option(16, "training environments (over all collector workers)", minimum=1)
+    collector_workers: int = option(1, "collector processes (> 1: MultiSyncCollector)", minimum=1)
     device: str = option("cpu", "torch device of the actor, critic, loss and batches")
     total_env_steps: int = option(480_000, "environment steps of fine-tuning", minimum=1)
     epochs: int = option(10, "passes over each batch", minimum=1)
@@ -175,6 +177,11 @@ def check_config(config: GaussianPPOConfig) -> torch.device:
     unknown = [name for name in split_list(config.loggers, "--loggers") if name not in LOGGERS]
     if unknown:
         raise ValueError(f"--loggers {config.loggers}: {unknown} not among {list(LOGGERS)}.")
+    if config.num_envs % config.collector_workers:
+        raise ValueError(
+            f"--num_envs {config.num_envs}: must be a multiple of --collector_workers "
+            f"{config.collector_workers} (envs per worker)."
+        )
     check_output_dir(config.output_dir, resume=config.resume, overwrite=config.overwrite)
     if config.resume:
         runs.require_run_checkpoint(Path(config.output_dir) / "checkpoint.pt")
@@ -344,7 +351,10 @@ def main(config: GaussianPPOConfig) -> dict:
         config.task, EXECUTED_CHUNK_LENGTH, reports.task_options(config)
     )
     options = collectors.CollectorOptions(
-        num_envs=config.num_envs, worker_threads=config.threads, device=device
+        num_envs=config.num_envs,
+        workers=config.collector_workers,
+        worker_threads=config.threads,
+        device=device,
     )
     batch_seed = functools.partial(
         collectors.first_reset_seed, config.seed, num_envs=config.num_envs

@@ -135,10 +135,13 @@ def test_quick_run_writes_the_protocol_on_the_states_asked_for(tmp_path):
     gaussian_ppo = load_example("gaussian_ppo")
     output_dir = tmp_path / "run"
     options = ["--output_dir", str(output_dir), "--demo_dir", str(tmp_path / "demos")]
-    # --split validation: the protocol on the validation states (where settings are chosen).
-    config = gaussian_ppo.parse_args(["--quick", "--split", "validation", *options])
+    # --split validation: the protocol on the validation states (where settings are chosen);
+    # two collector processes (TorchRL's MultiSyncCollector) step the training envs.
+    argv = ["--quick", "--split", "validation", "--collector_workers", "2", *options]
+    config = gaussian_ppo.parse_args(argv)
     gaussian_ppo.main(config)
     summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["config"]["collector_workers"] == 2
     held_out = summary["held_out"]
     assert (held_out["split"], held_out["seed"]) == ("validation", 20_000)
     assert held_out["num_episodes"] == config.held_out_episodes
@@ -155,6 +158,15 @@ def test_quick_run_writes_the_protocol_on_the_states_asked_for(tmp_path):
         > summary["pretrained"]["log_likelihood_before"]
     )
     assert (output_dir / "checkpoint.pt").is_file()
+
+
+def test_collector_workers_must_divide_the_environments(tmp_path):
+    gaussian_ppo = load_example("gaussian_ppo")
+    config = gaussian_ppo.parse_args(
+        ["--quick", "--collector_workers", "3", "--output_dir", str(tmp_path / "run")]
+    )
+    with pytest.raises(ValueError, match="--num_envs 4: must be a multiple of --collector_w"):
+        gaussian_ppo.check_config(config)
 
 
 def test_the_demonstrations_are_those_of_the_pretraining():

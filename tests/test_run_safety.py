@@ -491,6 +491,10 @@ def test_evaluate_checks_its_inputs_before_evaluating(
         (["--video_episodes", "-1"], "--video_episodes -1: must be >= 0"),
         (["--video_camera", "agentview"], "--video_camera agentview: only with --video_episodes"),
         (["--reported_decoding", "noise_free"], "--reported_decoding noise_free: only with"),
+        (
+            ["--failure_kinds"],
+            "--failure_kinds: --task pusher does not sort its episodes (tasks that do: ['can'])",
+        ),
     ],
 )
 def test_evaluate_options_out_of_bounds_exit_with_an_error(options, message, evaluation, capsys):

@@ -53,8 +53,13 @@ def test_every_task_sets_every_field():
     assert {"max_episode_steps", "success", "demos", "run_defaults", "output_suffix"} <= fields
     for name, task in TASKS.items():
         assert task.name == name and task.title and task.success
-        for field in fields - {"max_eval_envs"}:  # None: one sub-environment per episode
+        # None: one sub-environment per episode; no kinds of episode (only Can sorts them).
+        for field in fields - {"max_eval_envs", "episode_kinds"}:
             assert getattr(task, field) is not None, (name, field)
+        if task.episode_kinds is not None:
+            assert task.episode_kinds.names[0] == "success" and callable(
+                task.episode_kinds.classify
+            )
         assert task.observation_dim > 0 and task.action_dim > 0 and task.max_episode_steps >= 1
         assert task.option_names[0] == "max_episode_steps"
         assert task.defaults["max_episode_steps"] == task.max_episode_steps

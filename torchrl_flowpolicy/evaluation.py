@@ -13,7 +13,7 @@ distribution), and ``"noise_free"``, the ODE from ``x_0 = 0``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -74,6 +74,7 @@ def evaluate_episodes(
     exploration_type: ExplorationType = ExplorationType.DETERMINISTIC,
     success_key: NestedKey = "success",
     num_episodes: int | None = None,
+    details: Callable[[TensorDictBase, dict[str, Tensor]], dict[str, Tensor]] | None = None,
 ) -> dict[str, Tensor]:
     """Run one episode in each of ``env``'s batched environments; per-episode outcomes.
 
@@ -88,9 +89,14 @@ def evaluate_episodes(
     seed ``seed + i``, and the outcomes stay paired across policies evaluated with the same
     ``N``. The last round's extra episodes are dropped.
 
+    ``details(rollout, outcomes)`` adds per-episode entries ``[N]`` read from each round's
+    rollout ``[N, T]`` (such as
+    :func:`~torchrl_flowpolicy.envs.can_outcomes.can_rollout_outcomes`: why each
+    PickPlaceCan episode failed).
+
     Returns:
         :func:`episode_outcomes` of the rollout: ``"return"``, ``"success"``, ``"length"``,
-        each ``[num_episodes]`` (default: ``[N]``).
+        and the ``details``' entries, each ``[num_episodes]`` (default: ``[N]``).
     """
     batch = env.batch_size[0] if env.batch_size else 1
     num_episodes = batch if num_episodes is None else num_episodes
@@ -108,7 +114,10 @@ def evaluate_episodes(
             )
         if rollout.ndim == 1:
             rollout = rollout.unsqueeze(0)
-        rounds.append(episode_outcomes(rollout, success_key))
+        outcomes = episode_outcomes(rollout, success_key)
+        if details is not None:
+            outcomes |= details(rollout, outcomes)
+        rounds.append(outcomes)
     return {
         key: torch.cat([outcomes[key] for outcomes in rounds])[:num_episodes] for key in rounds[0]
     }

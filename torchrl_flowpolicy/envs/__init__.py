@@ -12,7 +12,8 @@ layout), :mod:`~torchrl_flowpolicy.envs.robosuite_tasks` (the environments),
 :mod:`~torchrl_flowpolicy.envs.lift_expert`, :mod:`~torchrl_flowpolicy.envs.can_expert` and
 :mod:`~torchrl_flowpolicy.envs.square_expert` (the scripted experts, sharing :mod:`~torchrl_flowpolicy.envs.robosuite_expert_base`) and
 :mod:`~torchrl_flowpolicy.envs.robosuite_experts` (the experts as policies and
-demonstrations).
+demonstrations); :mod:`~torchrl_flowpolicy.envs.can_outcomes` sorts PickPlaceCan episodes by
+why they failed.
 :mod:`~torchrl_flowpolicy.envs.demonstrations` caches any task's demonstrations.
 
 Every name below is imported on first use, from its module: :func:`make_chunked_env`,

@@ -35,11 +35,12 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from tensordict.nn import TensorDictModuleBase
 from torchrl.envs import EnvBase
 
+from torchrl_flowpolicy.envs.can_outcomes import CAN_OUTCOMES, can_rollout_outcomes
 from torchrl_flowpolicy.envs.pusher import (
     DEFAULT_MAX_EPISODE_STEPS,
     DEFAULT_SUCCESS_THRESHOLD,
@@ -55,7 +56,7 @@ from torchrl_flowpolicy.envs.robosuite_registry import (
     robosuite_factories,
 )
 
-__all__ = ["DemoSettings", "Task", "TASKS", "get_task", "script_defaults"]
+__all__ = ["DemoSettings", "EpisodeKinds", "Task", "TASKS", "get_task", "script_defaults"]
 
 
 # The sampler of Lift's recipe (docs/robosuite.md): K = 8 rollouts from x_0 ~ N(0, I), the
@@ -68,6 +69,15 @@ ROBOSUITE_SAMPLER = {
     "sampler.rollout_noise_scale": 1.0,
     "sampler.eval_noise_scale": 1.0,
 }
+
+
+class EpisodeKinds(NamedTuple):
+    """A task's kinds of episode: their ``names`` and ``classify(rollout, outcomes)``, which
+    returns ``{"kind": [N]}`` indices into ``names`` (the ``details`` of
+    :func:`~torchrl_flowpolicy.evaluation.evaluate_episodes`)."""
+
+    names: tuple[str, ...]
+    classify: Callable[[Any, Mapping[str, Any]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,8 @@ class Task:
         max_eval_envs: the most sub-environments an evaluation should hold at once (``None``:
             one per episode); more episodes run in rounds. A robosuite simulator takes about
             0.1 GB, so 200 held-out Lift episodes at once would need 20 GB.
+        episode_kinds: how the task sorts its episodes by why they failed
+            (``examples/evaluate.py --failure_kinds``), or ``None``.
 
     Examples:
         >>> task = get_task("lift")
@@ -155,6 +167,7 @@ class Task:
     run_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     output_suffix: str = ""
     max_eval_envs: int | None = None
+    episode_kinds: EpisodeKinds | None = None
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -346,6 +359,7 @@ TASKS: dict[str, Task] = {
         run_defaults={"ppo": _CAN_PPO},
         output_suffix="_can",
         max_eval_envs=25,
+        episode_kinds=EpisodeKinds(CAN_OUTCOMES, can_rollout_outcomes),
     ),
     "square": Task(
         name="square",

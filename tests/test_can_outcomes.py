@@ -1,0 +1,173 @@
+"""Why PickPlaceCan episodes fail: :mod:`torchrl_flowpolicy.envs.can_outcomes` on made-up
+observations (each kind, the order of the checks, bad input) and on robosuite's own episodes
+(the scripted expert, an arm that holds still, an expert stopped while it carries the can)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+
+from torchrl_flowpolicy.envs.can_outcomes import (
+    CAN_OUTCOMES,
+    can_rollout_outcomes,
+    classify_can_episodes,
+)
+from torchrl_flowpolicy.envs.robosuite_layout import OBSERVATION_SLICES
+
+CAN = OBSERVATION_SLICES["PickPlaceCan"]
+UPRIGHT = torch.tensor([0.0, 0.0, 0.0, 1.0])
+# 90 degrees about x: the can's axis lies horizontal.
+LYING = torch.tensor([math.sin(math.pi / 4), 0.0, 0.0, math.cos(math.pi / 4)])
+
+
+def episode(heights: list[float], grip_offset: float, quaternion: torch.Tensor) -> torch.Tensor:
+    """Observations [T + 1, 64]: the can at height z_t, the grip site grip_offset above
+    the can's centre at every step, the can's orientation at the end."""
+    observations = torch.zeros(len(heights), 64)
+    observations[:, CAN["can_pos"]] = torch.tensor([0.1, -0.25, 0.0])
+    observations[:, CAN["can_pos"].start + 2] = torch.tensor(heights)
+    observations[:, CAN["eef_pos"]] = observations[:, CAN["can_pos"]]
+    observations[:, CAN["eef_pos"].start + 2] += grip_offset
+    observations[:, CAN["can_quat"]] = UPRIGHT
+    observations[-1, CAN["can_quat"]] = quaternion
+    return observations
+
+
+def kinds(observations, last, success):
+    indices = classify_can_episodes(observations, torch.tensor(last), torch.tensor(success))
+    return [CAN_OUTCOMES[index] for index in indices.tolist()]
+
+
+def test_each_kind_from_the_can_and_the_grip_site():
+    start, lifted = 0.86, 0.86 + 0.031
+    observations = torch.stack(
+        [
+            episode([start, lifted, start], 0.10, UPRIGHT),  # placed, let go: the task says
+            episode([start, start + 0.029, start], 0.10, UPRIGHT),  # rose 2.9 cm only
+            episode([start, lifted, lifted], 0.01, UPRIGHT),  # still in the hand
+            episode([start, lifted, start], 0.10, LYING),  # let go, lying
+            episode([start, lifted, start], 0.10, UPRIGHT),  # let go, standing, not placed
+        ]
+    )
+    success = [True, False, False, False, False]
+    assert kinds(observations, [1] * 5, success) == list(CAN_OUTCOMES)
+
+
+def test_the_checks_come_in_order_and_read_only_the_episode():
+    start = 0.86
+    # Success wins over everything; a can never lifted is "never_lifted" even if it lies
+    # under the hand (knocked over).
+    held_lying = episode([start, start, start], 0.01, LYING)
+    assert kinds(held_lying[None], [1], [True]) == ["success"]
+    assert kinds(held_lying[None], [1], [False]) == ["never_lifted"]
+    # A lift after the episode's end (the next episode's) does not count, and the final
+    # observation is the one after decision `last`, not the rollout's last.
+    later_lift = episode([start, start, start + 0.2, start + 0.2], 0.10, UPRIGHT)
+    later_lift[1, CAN["can_quat"]] = LYING  # the end of the episode ending at decision 0
+    assert kinds(later_lift[None], [0], [False]) == ["never_lifted"]
+    assert kinds(later_lift[None], [2], [False]) == ["released_upright"]
+    lifted_early = episode([start, start + 0.2, start, start], 0.10, UPRIGHT)
+    lifted_early[1, CAN["can_quat"]] = LYING
+    assert kinds(lifted_early[None], [0], [False]) == ["fell_over"]
+
+
+def test_bad_input_is_refused():
+    observations = torch.zeros(2, 3, 64)
+    with pytest.raises(ValueError, match=r"\[N, T \+ 1, 64\]"):
+        classify_can_episodes(torch.zeros(2, 3, 60), torch.tensor([0, 0]), torch.ones(2))
+    with pytest.raises(ValueError, match="last and success must be"):
+        classify_can_episodes(observations, torch.tensor([0]), torch.ones(2))
+    with pytest.raises(ValueError, match=r"last must lie in \[0, 1\]"):
+        classify_can_episodes(observations, torch.tensor([0, 2]), torch.ones(2))
+
+
+# ----------------------------------------------------------------------------- robosuite
+def can_episodes(policy_for, steps: int) -> list[str]:
+    """Two PickPlaceCan episodes (validation reset seeds 20000-20001, one action per step,
+    ``steps`` steps at most), sorted by kind."""
+    pytest.importorskip("robosuite")
+    from torchrl_flowpolicy.envs.tasks import get_task
+    from torchrl_flowpolicy.evaluation import evaluate_episodes
+
+    task = get_task("can")
+    assert task.episode_kinds.names == CAN_OUTCOMES  # what evaluate.py --failure_kinds reads
+    env = task.make_env(2, None, max_episode_steps=steps)
+    try:
+        outcomes = evaluate_episodes(
+            policy_for(env),
+            env,
+            max_decisions=steps,
+            seed=20_000,
+            details=task.episode_kinds.classify,
+        )
+    finally:
+        env.close()
+    assert outcomes["kind"].shape == outcomes["success"].shape == (2,)
+    return [CAN_OUTCOMES[index] for index in outcomes["kind"].tolist()]
+
+
+@pytest.mark.slow
+def test_robosuite_episodes_of_each_kind():
+    from torchrl_flowpolicy.envs.tasks import get_task
+
+    def expert(env):
+        return get_task("can").make_expert(env)
+
+    def still(env):
+        action_shape = env.full_action_spec_unbatched["action"].shape
+        return TensorDictModule(
+            lambda observation: torch.zeros(*observation.shape[:-1], *action_shape),
+            in_keys=["observation"],
+            out_keys=["action"],
+        )
+
+    assert can_episodes(expert, 250) == ["success", "success"]
+    assert can_episodes(still, 12) == ["never_lifted", "never_lifted"]
+    # Stopped at 60 steps, the expert carries the can (it places it in 96 steps on average).
+    assert can_episodes(expert, 60) == ["not_released", "not_released"]
+
+
+def test_rollout_outcomes_read_the_episode_not_the_next_reset():
+    # A rollout [1, 3] whose episode ends at decision 1: its observation at decision 2 is
+    # the next episode's reset (the can back on the floor), its ("next", "observation") at
+    # decision 1 the episode's end (the can lifted 0.2 m and held).
+    start = 0.86
+    frames = episode([start, start, start + 0.2, start], 0.01, UPRIGHT)  # obs after each
+    rollout = TensorDict(
+        {
+            "observation": torch.stack([frames[0], frames[1], frames[3]])[None],
+            "next": {"observation": frames[1:][None]},
+        },
+        batch_size=[1, 3],
+    )
+    outcomes = {"length": torch.tensor([2]), "success": torch.tensor([False])}
+    kind = can_rollout_outcomes(rollout, outcomes)["kind"]
+    assert CAN_OUTCOMES[kind.item()] == "not_released"
+
+
+def test_evaluate_rows_count_the_kinds():
+    from examples_loader import load_example
+
+    evaluate = load_example("evaluate")
+    outcomes = {
+        "return": torch.zeros(3),
+        "success": torch.tensor([True, False, False]),
+        "length": torch.tensor([40, 63, 63]),
+        "kind": torch.tensor([0, 2, 2]),
+    }
+    row = evaluate.report_row(outcomes, "policy", CAN_OUTCOMES, checkpoint="policy.pt")
+    assert row["episode_kinds"] == {
+        "success": 1,
+        "never_lifted": 0,
+        "not_released": 2,
+        "fell_over": 0,
+        "released_upright": 0,
+    }
+    assert row["episode_kind"] == ["success", "not_released", "not_released"]
+    assert row["episode_length"] == [40, 63, 63]
+    without = {key: value for key, value in outcomes.items() if key != "kind"}
+    assert "episode_kinds" not in evaluate.report_row(without, "policy")
