@@ -67,8 +67,8 @@ def classify_can_episodes(
 
     Args:
         observations: ``[N, T + 1, 64]`` flat PickPlaceCan observations, the reset's first
-            and then the one after each decision (a rollout's ``"observation"`` with its
-            last ``("next", "observation")`` appended).
+            and then the one after each decision (a rollout's first ``"observation"``, then
+            its ``("next", "observation")``: :func:`can_rollout_outcomes`).
         last: ``[N]`` the index of each episode's final decision (its observation is
             ``observations[:, last + 1]``); later entries (another episode) are ignored.
         success: ``[N]`` the task's success flag at the episode's end.
@@ -108,8 +108,12 @@ def classify_can_episodes(
     quaternion = final[:, _SLICES["can_quat"]]
     axis_z = 1 - 2 * (quaternion[:, 0] ** 2 + quaternion[:, 1] ** 2)
     fallen = axis_z < math.cos(math.radians(max_tilt_degrees))
-    kind = torch.full((num_episodes,), CAN_OUTCOMES.index("released_upright"), dtype=torch.long)
-    kind = kind.to(observations.device)
+    kind = torch.full(
+        (num_episodes,),
+        CAN_OUTCOMES.index("released_upright"),
+        dtype=torch.long,
+        device=observations.device,
+    )
     kind[fallen] = CAN_OUTCOMES.index("fell_over")
     kind[~released] = CAN_OUTCOMES.index("not_released")
     kind[~lifted] = CAN_OUTCOMES.index("never_lifted")
