@@ -4,7 +4,9 @@ observations (each kind, the order of the checks, bad input) and on robosuite's 
 
 from __future__ import annotations
 
+import importlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +17,12 @@ from torchrl_flowpolicy.envs.can_outcomes import (
     CAN_OUTCOMES,
     can_rollout_outcomes,
     classify_can_episodes,
+    distance_to_placement_edge,
 )
 from torchrl_flowpolicy.envs.robosuite_layout import OBSERVATION_SLICES
 
 CAN = OBSERVATION_SLICES["PickPlaceCan"]
+ROOT = Path(__file__).resolve().parents[1]
 UPRIGHT = torch.tensor([0.0, 0.0, 0.0, 1.0])
 # 90 degrees about x: the can's axis lies horizontal.
 LYING = torch.tensor([math.sin(math.pi / 4), 0.0, 0.0, math.cos(math.pi / 4)])
@@ -171,3 +175,49 @@ def test_evaluate_rows_count_the_kinds():
     assert row["episode_length"] == [40, 63, 63]
     without = {key: value for key, value in outcomes.items() if key != "kind"}
     assert "episode_kinds" not in evaluate.report_row(without, "policy")
+
+
+def test_distance_to_the_placement_edge_is_the_nearest_side():
+    # x in [-0.02, 0.22], y in [-0.42, -0.08]: the centre is 0.12 / 0.17 from the sides.
+    xy = torch.tensor([[0.10, -0.25], [0.21, -0.25], [0.10, -0.41], [-0.03, -0.25]])
+    expected = torch.tensor([0.12, 0.01, 0.01, -0.01])
+    torch.testing.assert_close(distance_to_placement_edge(xy), expected)
+    # Any batch shape.
+    assert distance_to_placement_edge(torch.zeros(2, 3, 2)).shape == (2, 3)
+
+
+def test_the_failure_report_bands_pairs_and_counts(monkeypatch):
+    pytest.importorskip("robosuite")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    can_failures = importlib.import_module("can_failures")
+    kinds_before = ["never_lifted", "success", "never_lifted", "fell_over"]
+    kinds_after = ["never_lifted", "success", "success", "released_upright"]
+    rows = [
+        {"episode_kind": kind, "episode_length": [10, 20, 30, 40]}
+        for kind in (kinds_before, kinds_after)
+    ]
+    evaluation = {"seed": 20_000, "rows": rows}
+    # Demonstrations starting 1 cm, 3 cm and 12 cm inside the edge (and a later step).
+    observations = torch.zeros(4, 64)
+    observations[:, CAN["can_pos"]] = torch.tensor(
+        [[0.21, -0.25, 0.86], [0.10, -0.11, 0.86], [0.10, -0.25, 0.86], [0.21, -0.09, 0.9]]
+    )
+    demonstrations = {"observation": observations, "step": torch.tensor([0, 0, 0, 1])}
+    lines = can_failures.report(evaluation, demonstrations, executed_chunk_length=4)
+    distances = can_failures.reset_distances(20_000, 4)
+    band_rows = [line.split(" | ") for line in lines[1:4]]
+    assert sum(int(row[1]) for row in band_rows) == 4
+    for (low, high), row in zip(can_failures.BANDS, band_rows, strict=True):
+        states = [i for i, distance in enumerate(distances) if low <= distance < high]
+        assert int(row[1]) == len(states)
+        assert int(row[2]) == sum(kinds_before[i] != "success" for i in states)
+        assert int(row[3]) == sum(kinds_after[i] != "success" for i in states)
+    assert lines[4].endswith("2 of 2")  # both PPO failures were BC failures
+    assert lines[5].endswith(": 1")  # never lifted under both: the first state
+    assert lines[6].endswith("median 80, 90th percentile 80, max 80")  # success: 20 decisions
+    assert "median 120, 90th percentile 120, max 120" in lines[7]  # 80 and 120 env steps
+    assert lines[8] == "demonstrations' starts: 0-2 cm 1, 2-4 cm 1, 4 cm or more 1 (of 3)"
+    with pytest.raises(ValueError, match="two rows"):
+        can_failures.report({"seed": 20_000, "rows": rows[:1]})
+    with pytest.raises(ValueError, match="--failure_kinds"):
+        can_failures.report({"seed": 20_000, "rows": [{"success_rate": 0.5}] * 2})

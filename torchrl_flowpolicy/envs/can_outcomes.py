@@ -40,7 +40,13 @@ from torch import Tensor
 
 from torchrl_flowpolicy.envs.robosuite_layout import OBSERVATION_SLICES
 
-__all__ = ["CAN_OUTCOMES", "can_rollout_outcomes", "classify_can_episodes"]
+__all__ = [
+    "CAN_OUTCOMES",
+    "CAN_PLACEMENT_RANGE",
+    "can_rollout_outcomes",
+    "classify_can_episodes",
+    "distance_to_placement_edge",
+]
 
 #: The kinds of episode, in the order they are checked.
 CAN_OUTCOMES: tuple[str, ...] = (
@@ -51,7 +57,31 @@ CAN_OUTCOMES: tuple[str, ...] = (
     "released_upright",
 )
 
+#: The range the can's centre is placed in at the reset, ``((x_low, x_high), (y_low, y_high))``
+#: in m (:mod:`~torchrl_flowpolicy.envs.robosuite_layout`).
+CAN_PLACEMENT_RANGE: tuple[tuple[float, float], tuple[float, float]] = (
+    (-0.02, 0.22),
+    (-0.42, -0.08),
+)
+
 _SLICES = OBSERVATION_SLICES["PickPlaceCan"]
+
+
+def distance_to_placement_edge(can_xy: Tensor) -> Tensor:
+    """How far the can's centre ``[..., 2]`` (x, y in m) lies inside the edge of
+    :data:`CAN_PLACEMENT_RANGE`: the smallest of its four distances to the range's sides
+    (negative outside). The fine-tuned policy's remaining failures start near this edge
+    (docs/robosuite.md).
+
+    Example:
+        >>> import torch
+        >>> distance_to_placement_edge(torch.tensor([[0.10, -0.25], [0.21, -0.25]]))
+        tensor([0.1200, 0.0100])
+    """
+    (x_low, x_high), (y_low, y_high) = CAN_PLACEMENT_RANGE
+    x, y = can_xy.unbind(-1)
+    sides = torch.stack([x - x_low, x_high - x, y - y_low, y_high - y], dim=-1)
+    return sides.min(dim=-1).values
 
 
 def classify_can_episodes(

@@ -1,0 +1,118 @@
+"""Where a PickPlaceCan policy fails: its episodes' kinds against the can's start.
+
+Reads the JSON of ``examples/evaluate.py --failure_kinds`` with two rows (a behaviour-cloned
+checkpoint, then its fine-tuned one, on the same states) and prints:
+
+1. per band of the can's distance to the edge of its placement range at the reset
+   (:func:`~torchrl_flowpolicy.envs.can_outcomes.distance_to_placement_edge`), the states and
+   each row's failures;
+2. the pairing: the second row's failures that were failures of the first, and the states
+   "never lifted" under both;
+3. each row's successful episodes' lengths in env steps (median, 90th percentile, maximum);
+4. with ``--demonstrations``, how many demonstrations start in each band.
+
+The reset states are rebuilt from the JSON's first reset seed (episode ``i`` resets with
+``seed + i``), so nothing but the JSON and the demonstrations file is needed.
+
+Run (robosuite extra), after the evaluation in docs/robosuite.md::
+
+    MUJOCO_GL=egl python benchmarks/can_failures.py \\
+        --evaluation_json outputs/kinds_can_s0_val.json \\
+        --demonstrations outputs/demos/can_T250_action_noise0.3_n20_seed0.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from torchrl_flowpolicy.envs.can_outcomes import distance_to_placement_edge
+from torchrl_flowpolicy.envs.robosuite_layout import OBSERVATION_SLICES
+from torchrl_flowpolicy.envs.robosuite_tasks import RobosuiteGymEnv
+
+BANDS = ((0.0, 0.02), (0.02, 0.04), (0.04, float("inf")))
+_CAN = OBSERVATION_SLICES["PickPlaceCan"]["can_pos"]
+CAN_XY = slice(_CAN.start, _CAN.start + 2)  # the can's centre, x and y
+
+
+def band_name(low: float, high: float) -> str:
+    if high == float("inf"):
+        return f"{100 * low:.0f} cm or more"
+    return f"{100 * low:.0f}-{100 * high:.0f} cm"
+
+
+def reset_distances(first_seed: int, num_episodes: int) -> list[float]:
+    """The can's distance to the edge of its range at each episode's reset (m)."""
+    env = RobosuiteGymEnv("PickPlaceCan")
+    positions = [env.reset(seed=first_seed + i)[0][CAN_XY] for i in range(num_episodes)]
+    return distance_to_placement_edge(torch.as_tensor(np.stack(positions))).tolist()
+
+
+def report(
+    evaluation: dict, demonstrations: dict | None = None, executed_chunk_length: int = 4
+) -> list[str]:
+    """The report's lines (above) for an evaluation's JSON and, optionally, demonstrations;
+    an episode's length in the JSON counts decisions of ``executed_chunk_length`` env steps."""
+    if len(evaluation["rows"]) != 2:
+        raise ValueError(
+            f"expected two rows (before and after RL on the same states), got "
+            f"{len(evaluation['rows'])}; evaluate two checkpoints at one noise scale."
+        )
+    before, after = evaluation["rows"]
+    if "episode_kind" not in before:
+        raise ValueError("the rows have no episode kinds: evaluate with --failure_kinds.")
+    distances = reset_distances(evaluation["seed"], len(before["episode_kind"]))
+    lines = ["can's distance to the edge at reset | states | first row fails | second row fails"]
+    for low, high in BANDS:
+        states = [i for i, distance in enumerate(distances) if low <= distance < high]
+        fails = [
+            sum(row["episode_kind"][i] != "success" for i in states) for row in (before, after)
+        ]
+        lines.append(f"{band_name(low, high)} | {len(states)} | {fails[0]} | {fails[1]}")
+    pairs = list(zip(before["episode_kind"], after["episode_kind"], strict=True))
+    both = sum(first != "success" and second != "success" for first, second in pairs)
+    never = sum(first == second == "never_lifted" for first, second in pairs)
+    failures = sum(second != "success" for _, second in pairs)
+    lines.append(f"second row's failures that the first row failed too: {both} of {failures}")
+    lines.append(f"never lifted under both: {never}")
+    for name, row in (("first row", before), ("second row", after)):
+        steps = sorted(
+            executed_chunk_length * length
+            for length, kind in zip(row["episode_length"], row["episode_kind"], strict=True)
+            if kind == "success"
+        )
+        if steps:
+            lines.append(
+                f"{name} successes, env steps: median {steps[len(steps) // 2]}, "
+                f"90th percentile {steps[int(0.9 * len(steps))]}, max {steps[-1]}"
+            )
+    if demonstrations is not None:
+        starts = demonstrations["observation"][demonstrations["step"] == 0][:, CAN_XY]
+        first = distance_to_placement_edge(starts).tolist()
+        counts = [sum(low <= distance < high for distance in first) for low, high in BANDS]
+        bands = ", ".join(f"{band_name(*band)} {n}" for band, n in zip(BANDS, counts, strict=True))
+        lines.append(f"demonstrations' starts: {bands} (of {len(first)})")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--evaluation_json", type=Path, required=True)
+    parser.add_argument("--demonstrations", type=Path, default=None)
+    parser.add_argument(
+        "--executed_chunk_length", type=int, default=4, help="env steps per decision (H')"
+    )
+    args = parser.parse_args()
+    evaluation = json.loads(args.evaluation_json.read_text())
+    demonstrations = (
+        torch.load(args.demonstrations, weights_only=False) if args.demonstrations else None
+    )
+    print("\n".join(report(evaluation, demonstrations, args.executed_chunk_length)))
+
+
+if __name__ == "__main__":
+    main()
