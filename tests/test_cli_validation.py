@@ -441,7 +441,7 @@ def test_robosuite_defaults_are_the_fine_tuning_recipes(example):
     can = ppo.parse_args(["--task", "can"])
     main_job = ppo.parse_args([]).sampler
     assert can.sampler == main_job
-    can_recipe = (24, 504, 1.0, 1e-4, 362_880, 20, 0.3)
+    can_recipe = (24, 504, 1.0, 1e-4, 725_760, 20, 0.3)
     assert (
         can.num_envs,
         can.minibatch_size,

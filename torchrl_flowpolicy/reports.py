@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -288,10 +289,11 @@ def plot_learning_curve(
     for axis in axes:
         axis.grid(alpha=0.3)
         axis.legend()
-    figure.suptitle(
+    caption = (
         f"{title} on {history[-1]['num_episodes']} curve episodes (seeds {CURVE_SEED}+), "
         "95 % Wilson bands"
-    )
+    )  # wrapped to the figure's width (about 11 characters an inch at the default size)
+    figure.suptitle(textwrap.fill(caption, width=int(11 * figure.get_figwidth())))
     figure.tight_layout()
     return save_figure(figure, path)
 

@@ -270,8 +270,8 @@ class Task:
 # (docs/robosuite.md, Can's second round), which NutAssemblySquare runs too: 24 envs x 63
 # decisions = 1,512 decisions a batch in minibatches of 504, Lift's self-imitation and actor
 # step, the main job's sampler (ppo.py's: K = 4 from x_0 = 0, the last 2 steps stochastic,
-# the evaluation ODE at K = 4 from x_0 = 0) and 60 iterations (362,880 env steps on Can), the
-# budget read off seed 0's validation curve.
+# the evaluation ODE at K = 4 from x_0 = 0) and 120 iterations (725,760 env steps on Can),
+# read off seed 0's validation states: 93.5 % noise-free at 60 iterations, 96.5 % at 120.
 _CAN_PPO = types.MappingProxyType(
     {
         "num_envs": 24,
@@ -279,7 +279,7 @@ _CAN_PPO = types.MappingProxyType(
         "bc_coeff": 1.0,
         "actor_learning_rate": 1e-4,
         "reward_scale": 1.0,
-        "total_env_steps": 362_880,
+        "total_env_steps": 725_760,
         "eval_every": 10,
         "checkpoint_every": 5,
     }
