@@ -48,7 +48,10 @@ def band_name(low: float, high: float) -> str:
 def reset_distances(first_seed: int, num_episodes: int) -> list[float]:
     """The can's distance to the edge of its range at each episode's reset (m)."""
     env = RobosuiteGymEnv("PickPlaceCan")
-    positions = [env.reset(seed=first_seed + i)[0][CAN_XY] for i in range(num_episodes)]
+    try:
+        positions = [env.reset(seed=first_seed + i)[0][CAN_XY] for i in range(num_episodes)]
+    finally:
+        env.close()
     return distance_to_placement_edge(torch.as_tensor(np.stack(positions))).tolist()
 
 
