@@ -46,6 +46,7 @@ from torchrl_flowpolicy import (
     runs,
 )
 from torchrl_flowpolicy.envs import decision_discount, get_task
+from torchrl_flowpolicy.evaluation import decoding_label
 from torchrl_flowpolicy.loggers import MetricLogger, MetricWindow
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
 from torchrl_flowpolicy.protocol import SPLIT_SIZE
@@ -484,7 +485,8 @@ def main(config: PPOConfig) -> dict:
     summary = reports.run_summary(
         config, baselines, run.history, held_out, pretrained_state, wall_seconds=run.wall_seconds()
     )
-    reports.write_run_report(output_dir, summary, name="RL", title=title, label="PPO (sampled)")
+    label = f"PPO ({decoding_label(config.sampler.eval_noise_scale)})"  # the curve's decoding
+    reports.write_run_report(output_dir, summary, name="RL", title=title, label=label)
     return summary
 
 

@@ -25,6 +25,7 @@ from torchrl_flowpolicy.envs import (
 from torchrl_flowpolicy.evaluation import (
     DECODINGS,
     decoding,
+    decoding_label,
     evaluate_decodings,
     evaluate_episodes,
 )
@@ -327,3 +328,12 @@ def test_examples_protocol_helpers_leave_the_random_stream_alone(example):
     assert validation["episode_success"]["expert"] != held_out["episode_success"]["expert"] or (
         validation["mean_return"]["expert"] != held_out["mean_return"]["expert"]
     )
+
+
+def test_decoding_label_names_the_curves_decoding():
+    assert decoding_label(0.0) == "noise-free"
+    assert decoding_label(0) == "noise-free"
+    assert decoding_label(1.0) == "sampled"
+    assert decoding_label(0.25) == "x_0 = 0.25 N(0, I)"
+    with pytest.raises(ValueError, match="eval_noise_scale"):
+        decoding_label(-1.0)

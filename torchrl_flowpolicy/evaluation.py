@@ -33,6 +33,7 @@ __all__ = [
     "evaluate_episodes",
     "evaluate_policy",
     "decoding",
+    "decoding_label",
     "evaluate_decodings",
 ]
 
@@ -193,6 +194,20 @@ def decoding(policy: FlowSDEPolicy, name: Decoding) -> Iterator[FlowSDEPolicy]:
     finally:
         if policy.options != previous:
             policy.options = previous
+
+
+def decoding_label(eval_noise_scale: float) -> str:
+    """How a deterministic evaluation from ``x_0 = eval_noise_scale * N(0, I)`` is named in
+    reports and figures: ``"sampled"`` at 1, ``"noise-free"`` at 0, the scale otherwise.
+
+    Example:
+        >>> decoding_label(0.0), decoding_label(1.0), decoding_label(0.5)
+        ('noise-free', 'sampled', 'x_0 = 0.5 N(0, I)')
+    """
+    if eval_noise_scale < 0:
+        raise ValueError(f"eval_noise_scale must be >= 0, got {eval_noise_scale}.")
+    names = {0.0: "noise-free", 1.0: "sampled"}
+    return names.get(float(eval_noise_scale), f"x_0 = {eval_noise_scale:g} N(0, I)")
 
 
 def evaluate_decodings(
