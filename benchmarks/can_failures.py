@@ -9,7 +9,10 @@ checkpoint, then its fine-tuned one, on the same states) and prints:
 2. the pairing: the second row's failures that were failures of the first, and the states
    "never lifted" under both;
 3. each row's successful episodes' lengths in env steps (median, 90th percentile, maximum);
-4. with ``--demonstrations``, how many demonstrations start in each band.
+4. with ``--demonstrations``, how many demonstrations start in each band;
+5. with ``--split_states`` (``split:episodes`` items), how many of each protocol split's first
+   states (:mod:`torchrl_flowpolicy.protocol`) start in each band, e.g. whether the learning
+   curve's 50 episodes hold as many cans near the edge as the 200 validation ones.
 
 The reset states are rebuilt from the JSON's first reset seed (episode ``i`` resets with
 ``seed + i``), so nothing but the JSON and the demonstrations file is needed.
@@ -19,6 +22,7 @@ Run (robosuite extra), after the evaluation in docs/robosuite.md::
     MUJOCO_GL=egl python benchmarks/can_failures.py \\
         --evaluation_json outputs/kinds_can_s0_val.json \\
         --demonstrations outputs/demos/can_T250_action_noise0.3_n20_seed0.pt
+    MUJOCO_GL=egl python benchmarks/can_failures.py --split_states curve:50,validation:200
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from torchrl_flowpolicy.envs.can_outcomes import distance_to_placement_edge
 from torchrl_flowpolicy.envs.robosuite_layout import OBSERVATION_SLICES
 from torchrl_flowpolicy.envs.robosuite_tasks import RobosuiteGymEnv
+from torchrl_flowpolicy.protocol import split_seed
 
 BANDS = ((0.0, 0.02), (0.02, 0.04), (0.04, float("inf")))
 _CAN = OBSERVATION_SLICES["PickPlaceCan"]["can_pos"]
@@ -53,6 +58,26 @@ def reset_distances(first_seed: int, num_episodes: int) -> list[float]:
     finally:
         env.close()
     return distance_to_placement_edge(torch.as_tensor(np.stack(positions))).tolist()
+
+
+def band_counts(distances: list[float]) -> list[int]:
+    """How many of ``distances`` (m) fall in each of :data:`BANDS`."""
+    return [sum(low <= distance < high for distance in distances) for low, high in BANDS]
+
+
+def split_state_lines(items: str) -> list[str]:
+    """One line per ``split:episodes`` item of ``items`` (comma-separated): how many of the
+    split's first ``episodes`` reset states start in each band."""
+    lines = []
+    for item in items.split(","):
+        split, _, episodes = item.partition(":")
+        if not episodes.isdigit():
+            raise ValueError(f"expected split:episodes (e.g. validation:200), got {item!r}.")
+        first_seed = split_seed(split, int(episodes))  # checks the split and the count
+        counts = band_counts(reset_distances(first_seed, int(episodes)))
+        bands = ", ".join(f"{band_name(*band)} {n}" for band, n in zip(BANDS, counts, strict=True))
+        lines.append(f"{split} states (reset seeds from {first_seed}): {bands} (of {episodes})")
+    return lines
 
 
 def report(
@@ -96,7 +121,7 @@ def report(
     if demonstrations is not None:
         starts = demonstrations["observation"][demonstrations["step"] == 0][:, CAN_XY]
         first = distance_to_placement_edge(starts).tolist()
-        counts = [sum(low <= distance < high for distance in first) for low, high in BANDS]
+        counts = band_counts(first)
         bands = ", ".join(f"{band_name(*band)} {n}" for band, n in zip(BANDS, counts, strict=True))
         lines.append(f"demonstrations' starts: {bands} (of {len(first)})")
     return lines
@@ -104,17 +129,27 @@ def report(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--evaluation_json", type=Path, required=True)
+    parser.add_argument("--evaluation_json", type=Path, default=None)
+    parser.add_argument(
+        "--split_states", default="", help="split:episodes items, e.g. curve:50,validation:200"
+    )
     parser.add_argument("--demonstrations", type=Path, default=None)
     parser.add_argument(
         "--executed_chunk_length", type=int, default=4, help="env steps per decision (H')"
     )
     args = parser.parse_args()
-    evaluation = json.loads(args.evaluation_json.read_text())
-    demonstrations = (
-        torch.load(args.demonstrations, weights_only=False) if args.demonstrations else None
-    )
-    print("\n".join(report(evaluation, demonstrations, args.executed_chunk_length)))
+    if args.evaluation_json is None and not args.split_states:
+        parser.error("give --evaluation_json, --split_states or both.")
+    if args.evaluation_json is None and args.demonstrations is not None:
+        parser.error("--demonstrations is reported with an --evaluation_json.")
+    lines = split_state_lines(args.split_states) if args.split_states else []
+    if args.evaluation_json is not None:
+        evaluation = json.loads(args.evaluation_json.read_text())
+        demonstrations = (
+            torch.load(args.demonstrations, weights_only=False) if args.demonstrations else None
+        )
+        lines += report(evaluation, demonstrations, args.executed_chunk_length)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -221,3 +221,22 @@ def test_the_failure_report_bands_pairs_and_counts(monkeypatch):
         can_failures.report({"seed": 20_000, "rows": rows[:1]})
     with pytest.raises(ValueError, match="--failure_kinds"):
         can_failures.report({"seed": 20_000, "rows": [{"success_rate": 0.5}] * 2})
+
+
+def test_the_split_states_count_each_splits_first_resets_by_band(monkeypatch):
+    pytest.importorskip("robosuite")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    can_failures = importlib.import_module("can_failures")
+    (line,) = can_failures.split_state_lines("validation:5")
+    counts = can_failures.band_counts(can_failures.reset_distances(20_000, 5))
+    assert sum(counts) == 5
+    bands = ", ".join(
+        f"{can_failures.band_name(*band)} {n}"
+        for band, n in zip(can_failures.BANDS, counts, strict=True)
+    )
+    assert line == f"validation states (reset seeds from 20000): {bands} (of 5)"
+    assert can_failures.band_counts([0.0, 0.019, 0.02, 0.05]) == [2, 1, 1]
+    with pytest.raises(ValueError, match="split:episodes"):
+        can_failures.split_state_lines("validation")
+    with pytest.raises(ValueError, match="unknown split"):
+        can_failures.split_state_lines("training:5")
