@@ -1,7 +1,9 @@
 """Where a PickPlaceCan policy fails: its episodes' kinds against the can's start.
 
 Reads the JSON of ``examples/evaluate.py --failure_kinds`` with two rows (a behaviour-cloned
-checkpoint, then its fine-tuned one, on the same states) and prints:
+checkpoint, then its fine-tuned one, on the same states), or two such JSONs of one row each
+(comma-separated, the same split and episodes; ``path:i`` takes row ``i`` of a JSON), and
+prints:
 
 1. per band of the can's distance to the edge of its placement range at the reset
    (:func:`~torchrl_flowpolicy.envs.can_outcomes.distance_to_placement_edge`), the states and
@@ -9,8 +11,10 @@ checkpoint, then its fine-tuned one, on the same states) and prints:
 2. the pairing: the second row's failures that were failures of the first, and the states
    "never lifted" under both;
 3. each row's successful episodes' lengths in env steps (median, 90th percentile, maximum);
-4. with ``--demonstrations``, how many demonstrations start in each band;
-5. with ``--split_states`` (``split:episodes`` items), how many of each protocol split's first
+4. the paired difference of the success rates, second row minus first, with the protocol's
+   bootstrap interval over the states (:func:`~torchrl_flowpolicy.statistics.paired_bootstrap_interval`);
+5. with ``--demonstrations``, how many demonstrations start in each band;
+6. with ``--split_states`` (``split:episodes`` items), how many of each protocol split's first
    states (:mod:`torchrl_flowpolicy.protocol`) start in each band, e.g. whether the learning
    curve's 50 episodes hold as many cans near the edge as the 200 validation ones.
 
@@ -23,6 +27,8 @@ Run (robosuite extra), after the evaluation in docs/robosuite.md::
         --evaluation_json outputs/kinds_can_s0_val.json \\
         --demonstrations outputs/demos/can_T250_action_noise0.3_n20_seed0.pt
     MUJOCO_GL=egl python benchmarks/can_failures.py --split_states curve:50,validation:200
+    MUJOCO_GL=egl python benchmarks/can_failures.py \\
+        --evaluation_json outputs/kinds_can_s1_long_val_k4.json:0,outputs/kinds_can_s1_decay_val_k4.json
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torchrl_flowpolicy.envs.can_outcomes import distance_to_placement_edge
 from torchrl_flowpolicy.envs.robosuite_layout import OBSERVATION_SLICES
 from torchrl_flowpolicy.envs.robosuite_tasks import RobosuiteGymEnv
 from torchrl_flowpolicy.protocol import split_seed
+from torchrl_flowpolicy.statistics import paired_bootstrap_interval
 
 BANDS = ((0.0, 0.02), (0.02, 0.04), (0.04, float("inf")))
 _CAN = OBSERVATION_SLICES["PickPlaceCan"]["can_pos"]
@@ -80,6 +87,30 @@ def split_state_lines(items: str) -> list[str]:
     return lines
 
 
+def read_evaluation(item: str) -> dict:
+    """The evaluation JSON at ``item`` (``path``), or only its row ``i`` (``path:i``)."""
+    path, _, index = item.rpartition(":") if item.rpartition(":")[2].isdigit() else (item, "", "")
+    evaluation = json.loads(Path(path).read_text())
+    if index:
+        evaluation["rows"] = [evaluation["rows"][int(index)]]
+    return evaluation
+
+
+def merge_evaluations(evaluations: list[dict]) -> dict:
+    """One evaluation holding the rows of ``evaluations`` in order, which must share their
+    split's first reset seed and their number of episodes (the same states)."""
+    first = evaluations[0]
+    for evaluation in evaluations[1:]:
+        counts = {len(row.get("episode_kind", [])) for row in first["rows"] + evaluation["rows"]}
+        if evaluation["seed"] != first["seed"] or len(counts) != 1:
+            raise ValueError(
+                f"the evaluations hold different states (first reset seeds {first['seed']} and "
+                f"{evaluation['seed']}, episode counts {sorted(counts)}): evaluate them on one "
+                "split with the same --eval_episodes."
+            )
+    return {"seed": first["seed"], "rows": [row for item in evaluations for row in item["rows"]]}
+
+
 def report(
     evaluation: dict, demonstrations: dict | None = None, executed_chunk_length: int = 4
 ) -> list[str]:
@@ -118,6 +149,15 @@ def report(
                 f"{name} successes, env steps: median {steps[len(steps) // 2]}, "
                 f"90th percentile {steps[int(0.9 * len(steps))]}, max {steps[-1]}"
             )
+    successes = [
+        torch.tensor([kind == "success" for kind in row["episode_kind"]]).float()
+        for row in (after, before)
+    ]
+    difference, low, high = (100 * value for value in paired_bootstrap_interval(*successes))
+    lines.append(
+        f"second row - first row: {difference:+.1f} points [{low:+.1f}, {high:+.1f}] "
+        f"(paired bootstrap over the {len(pairs)} states)"
+    )
     if demonstrations is not None:
         starts = demonstrations["observation"][demonstrations["step"] == 0][:, CAN_XY]
         first = distance_to_placement_edge(starts).tolist()
@@ -129,7 +169,11 @@ def report(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--evaluation_json", type=Path, default=None)
+    parser.add_argument(
+        "--evaluation_json",
+        default=None,
+        help="one JSON of two rows, or two of one (path:i: row i), comma-separated",
+    )
     parser.add_argument(
         "--split_states", default="", help="split:episodes items, e.g. curve:50,validation:200"
     )
@@ -144,7 +188,8 @@ def main() -> None:
         parser.error("--demonstrations is reported with an --evaluation_json.")
     lines = split_state_lines(args.split_states) if args.split_states else []
     if args.evaluation_json is not None:
-        evaluation = json.loads(args.evaluation_json.read_text())
+        items = args.evaluation_json.split(",")
+        evaluation = merge_evaluations([read_evaluation(item) for item in items])
         demonstrations = (
             torch.load(args.demonstrations, weights_only=False) if args.demonstrations else None
         )

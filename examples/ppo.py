@@ -111,6 +111,12 @@ class PPOConfig(TaskOptions):
     minibatch_size: int = option(608, "decisions per minibatch", minimum=1)
     actor_learning_rate: float = option(1e-4, "Adam on the flow policy", above=0)
     critic_learning_rate: float = option(1e-3, "Adam on the value network", above=0)
+    actor_learning_rate_decay_env_steps: int = option(
+        0,
+        "the actor's learning rates decay linearly to 0 over the budget's last N env steps "
+        "(0: constant)",
+        minimum=0,
+    )
     clip_epsilon_low: float = option(0.2, "ratio clip below 1", above=0, maximum=1)
     clip_epsilon_high: float = option(0.28, "ratio clip above 1 (clip-higher)", above=0)
     kl_coeff: float = option(0.0, "KL to the pretrained policy (0: off)", minimum=0)
@@ -397,6 +403,8 @@ def main(config: PPOConfig) -> dict:
 
     # Critic, loss, optimisers (resumed if asked); every rank starts from rank 0's weights.
     learner = make_learner(policy, config, executed)
+    actor_rates = [group["lr"] for group in learner.actor_optimizer.param_groups]
+    decay_steps = config.actor_learning_rate_decay_env_steps
     if saved is not None:
         saved = runs.resume_run(saved, learner.trained())
         run = runs.RunProgress.from_state(saved)
@@ -447,9 +455,15 @@ def main(config: PPOConfig) -> dict:
         batch_steps = distributed.sum_over_processes(collectors.env_steps(batch))  # all ranks
         run.env_steps += batch_steps
         train_actor = config.advantage == "grpo" or run.iteration > config.critic_warmup_iterations
+        factor = runs.learning_rate_factor(
+            run.env_steps - batch_steps, config.total_env_steps, decay_steps
+        )
+        for group, base in zip(learner.actor_optimizer.param_groups, actor_rates, strict=True):
+            group["lr"] = base * factor  # the options' rates, not a resumed optimiser's
         row = ppo_iteration(learner, batch, replay_buffer, config, train_actor)
         collector.update_policy_weights_(weights)  # the workers sample with them next
         row["iteration"] = run.iteration
+        row["train/actor_learning_rate"] = learner.actor_optimizer.param_groups[0]["lr"]
         row["time/collect_seconds"] = update_start - collect_start
         row["time/update_seconds"] = time.perf_counter() - update_start
         last = run.env_steps >= config.total_env_steps

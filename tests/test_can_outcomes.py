@@ -20,6 +20,7 @@ from torchrl_flowpolicy.envs.can_outcomes import (
     distance_to_placement_edge,
 )
 from torchrl_flowpolicy.envs.robosuite_layout import OBSERVATION_SLICES
+from torchrl_flowpolicy.statistics import paired_bootstrap_interval
 
 CAN = OBSERVATION_SLICES["PickPlaceCan"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,7 +217,21 @@ def test_the_failure_report_bands_pairs_and_counts(monkeypatch):
     assert lines[5].endswith(": 1")  # never lifted under both: the first state
     assert lines[6].endswith("median 80, 90th percentile 80, max 80")  # success: 20 decisions
     assert "median 120, 90th percentile 120, max 120" in lines[7]  # 80 and 120 env steps
-    assert lines[8] == "demonstrations' starts: 0-2 cm 1, 2-4 cm 1, 4 cm or more 1 (of 3)"
+    difference, low, high = paired_bootstrap_interval(
+        torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0])
+    )
+    assert difference == 0.25  # the third state, failed before, succeeds after
+    expected = f"+25.0 points [{100 * low:+.1f}, {100 * high:+.1f}] (paired bootstrap over the 4"
+    assert lines[8] == f"second row - first row: {expected} states)"
+    assert lines[9] == "demonstrations' starts: 0-2 cm 1, 2-4 cm 1, 4 cm or more 1 (of 3)"
+    # Two JSONs of one row each on the same states read as one of two rows.
+    one_each = [{"seed": 20_000, "rows": [row]} for row in rows]
+    assert can_failures.merge_evaluations(one_each) == evaluation
+    with pytest.raises(ValueError, match="different states"):
+        can_failures.merge_evaluations([one_each[0], {"seed": 30_000, "rows": rows[1:]}])
+    with pytest.raises(ValueError, match="different states"):
+        shorter = {"episode_kind": kinds_after[:3], "episode_length": [10, 20, 30]}
+        can_failures.merge_evaluations([one_each[0], {"seed": 20_000, "rows": [shorter]}])
     with pytest.raises(ValueError, match="two rows"):
         can_failures.report({"seed": 20_000, "rows": rows[:1]})
     with pytest.raises(ValueError, match="--failure_kinds"):

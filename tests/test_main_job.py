@@ -249,7 +249,8 @@ def test_quick_grpo_run_without_a_critic_then_resumed(tmp_path, check_protocol_f
 @pytest.mark.slow
 def test_quick_run_with_learned_noise_saves_and_resumes_the_head(tmp_path, check_protocol_fields):
     # --noise learned: a fresh noise head on the pretrained policy, trained (with an entropy
-    # bonus), saved in the run checkpoint; a --resume continues with it.
+    # bonus), saved in the run checkpoint; a --resume continues with it, its budget's last
+    # 1,200 env steps (iterations 3 and 4) decaying both actor learning rates to 0.
     learned = ["--noise", "learned", "--entropy_coeff", "0.01"]
     run(command(tmp_path, *learned, "--total_env_steps", "1200"))
     checkpoint = tmp_path / "ppo" / "checkpoint.pt"
@@ -260,7 +261,8 @@ def test_quick_run_with_learned_noise_saves_and_resumes_the_head(tmp_path, check
     # The output layer starts at zero: the actor update (iteration 2) has moved it.
     assert head["sampler.noise_head.mlp.4.weight"].abs().sum() > 0
 
-    resumed = run(command(tmp_path, *learned, "--resume"))
+    decay = ["--actor_learning_rate_decay_env_steps", "1200"]
+    resumed = run(command(tmp_path, *learned, *decay, "--resume"))
     assert "resumed from iteration 2" in resumed.stdout
     summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
     assert summary["config"]["noise"] == "learned" and summary["iterations"] == 4
@@ -273,3 +275,9 @@ def test_quick_run_with_learned_noise_saves_and_resumes_the_head(tmp_path, check
     noise_std = tmp_path / "ppo" / "csv" / "ppo_seed0" / "scalars" / "train" / "noise_std.csv"
     rows = [line.split(",") for line in noise_std.read_text().split()]
     assert len(rows) == 4 and all(0.02 <= float(value) <= 0.3 for _, value in rows)
+    # Each iteration's rates from the env steps before its batch (0, 600, 1200, 1800 of 2400).
+    rates = noise_std.parent / "actor_learning_rate.csv"
+    logged = [float(line.split(",")[1]) for line in rates.read_text().split()]
+    assert logged == pytest.approx([1e-4, 1e-4, 1e-4, 0.5e-4])
+    groups = final["actor_optimizer"]["param_groups"]  # the flow's, then the head's
+    assert [group["lr"] for group in groups] == pytest.approx([0.5e-4, 1.5e-4])

@@ -24,7 +24,7 @@ from torchrl_flowpolicy.models import (
 )
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.protocol import training_seed
-from torchrl_flowpolicy.runs import RunProgress
+from torchrl_flowpolicy.runs import RunProgress, learning_rate_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLER = SamplerOptions(
@@ -128,6 +128,18 @@ def test_run_progress_round_trips_through_a_checkpoint_and_keeps_the_clock():
     older = {**run.state(), "history": '[{"wall_seconds": 42.0}]'}
     del older["wall_seconds"]  # saved before the wall time was: that of the last row
     assert 42.0 <= RunProgress.from_state(older).wall_seconds() < 52.0
+
+
+def test_the_learning_rate_factor_is_one_then_falls_linearly_to_zero_at_the_budget():
+    total, decay = 1_088_640, 362_880  # Can's extension: 725,760 constant, then the decay
+    assert learning_rate_factor(0, total, decay) == 1.0
+    assert learning_rate_factor(725_760, total, decay) == 1.0
+    assert learning_rate_factor(725_760 + decay // 4, total, decay) == pytest.approx(0.75)
+    assert learning_rate_factor(total, total, decay) == 0.0
+    assert learning_rate_factor(total + 6_048, total, decay) == 0.0  # a last batch past it
+    assert all(learning_rate_factor(steps, total, 0) == 1.0 for steps in (0, total, 2 * total))
+    with pytest.raises(ValueError, match="decay_env_steps must be >= 0, got -1"):
+        learning_rate_factor(0, total, -1)
 
 
 def test_batch_seeds_count_environments_groups_and_ranks():

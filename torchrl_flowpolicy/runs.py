@@ -62,6 +62,7 @@ __all__ = [
     "replay_buffer_state",
     "restore_replay_buffer",
     "RunProgress",
+    "learning_rate_factor",
     "resolve_device",
     "write_json",
     "save_figure",
@@ -310,6 +311,30 @@ class RunProgress:
         last = history[-1]["wall_seconds"] if history else 0.0
         start = time.perf_counter() - saved.get("wall_seconds", last)
         return cls(saved["iteration"], saved["env_steps"], history, start)
+
+
+def learning_rate_factor(env_steps: int, total_env_steps: int, decay_env_steps: int) -> float:
+    """The multiplier of a learning rate that stays constant, then decays linearly to 0 over
+    the last ``decay_env_steps`` of ``total_env_steps`` (``0``: constant, always 1), read
+    before the batch collected after ``env_steps``.
+
+    PPO's learning rate annealed linearly to 0 (Schulman et al., 2017, "Proximal Policy
+    Optimization Algorithms", appendix A, Table 5: over the whole run), here over the
+    budget's end only, so that a constant-rate run continued to a larger budget decays over
+    its extension; a resumed run recomputes the factor from its env steps.
+
+    Example:
+        >>> [learning_rate_factor(s, 1000, 400) for s in (0, 600, 800, 1000)]
+        [1.0, 1.0, 0.5, 0.0]
+        >>> learning_rate_factor(800, 1000, 0)
+        1.0
+    """
+    if decay_env_steps < 0:
+        raise ValueError(f"decay_env_steps must be >= 0, got {decay_env_steps}.")
+    if decay_env_steps == 0:
+        return 1.0
+    remaining = max(total_env_steps - env_steps, 0)
+    return min(remaining / decay_env_steps, 1.0)
 
 
 # ----------------------------------------------------------------------------- device, outputs
