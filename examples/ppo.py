@@ -26,17 +26,14 @@ import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import TensorDictModule
-from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
-from torchrl.objectives import ValueEstimators
+from torchrl.data import ReplayBuffer
 from tqdm import tqdm
 
 from torchrl_flowpolicy import (
-    FlowSDEPolicy,
     SamplerOptions,
     collectors,
     distributed,
@@ -45,16 +42,16 @@ from torchrl_flowpolicy import (
     reports,
     runs,
 )
-from torchrl_flowpolicy.envs import decision_discount, get_task
+from torchrl_flowpolicy.envs import get_task
 from torchrl_flowpolicy.evaluation import decoding_label
 from torchrl_flowpolicy.loggers import MetricLogger, MetricWindow
-from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
 from torchrl_flowpolicy.protocol import SPLIT_SIZE
 from torchrl_flowpolicy.run_checks import weights_digest
 
 import pretrain
 import run_settings
 from common import TaskOptions, check_run_config, option
+from ppo_learner import Learner, make_learner, make_replay_buffer, save_ppo_run
 
 # What the options of the noise head require: refused with --noise fixed (nothing reads them).
 LEARNED = ("noise", "learned")
@@ -219,65 +216,6 @@ def training_envs(config: PPOConfig, executed_chunk_length: int) -> collectors.T
     return collectors.TaskEnvFactory(config.task, executed_chunk_length, options, group_size)
 
 
-# ----------------------------------------------------------------------------- policy, critic, loss
-
-
-@dataclass
-class Learner:
-    """What PPO trains, and what a run checkpoint holds (:meth:`trained`); no critic (``None``)
-    with ``--advantage grpo``."""
-
-    policy: FlowSDEPolicy
-    critic: TensorDictModule | None
-    loss_module: DenoisingClipPPOLoss
-    actor_optimizer: torch.optim.Optimizer
-    critic_optimizer: torch.optim.Optimizer | None
-
-    def trained(self) -> dict[str, Any]:
-        names = ("policy", "critic", "actor_optimizer", "critic_optimizer")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-
-
-def make_learner(policy: FlowSDEPolicy, config: PPOConfig, executed_chunk_length: int) -> Learner:
-    """Critic, ``DenoisingClipPPOLoss`` with GAE over decisions, one Adam for each network (a
-    learned noise head gets its own learning rate). ``--advantage grpo``: no critic; the
-    loss reads the group-relative advantage unnormalised (it is normalised per group)."""
-    parameters: Any = policy.parameters()
-    if policy.noise_head is not None:
-        head = list(policy.noise_head.parameters())
-        flow = [p for p in policy.parameters() if all(p is not h for h in head)]
-        parameters = [{"params": flow}, {"params": head, "lr": config.noise_learning_rate}]
-    actor_optimizer = torch.optim.Adam(parameters, lr=config.actor_learning_rate)
-    actor_options = {
-        "clip_epsilon": (config.clip_epsilon_low, config.clip_epsilon_high),
-        "kl_coeff": config.kl_coeff,
-        "bc_coeff": config.bc_coeff,
-        "entropy_bonus": config.entropy_coeff > 0,
-        "entropy_coeff": config.entropy_coeff,
-    }
-    if config.advantage == "grpo":
-        loss_module = DenoisingClipPPOLoss(policy, **actor_options, normalize_advantage=False)
-        return Learner(policy, None, loss_module, actor_optimizer, None)
-    critic = models.build_value_network(policy)
-    loss_module = DenoisingClipPPOLoss(
-        policy, critic, **actor_options, normalize_advantage=True, loss_critic_type="l2"
-    )
-    gamma = decision_discount(config.gamma, executed_chunk_length)
-    loss_module.make_value_estimator(ValueEstimators.GAE, gamma=gamma, lmbda=config.gae_lambda)
-    critic_optimizer = torch.optim.Adam(critic.parameters(), lr=config.critic_learning_rate)
-    return Learner(policy, critic, loss_module, actor_optimizer, critic_optimizer)
-
-
-def make_replay_buffer(
-    config: PPOConfig, decisions_per_batch: int, device: torch.device | str = "cpu"
-) -> ReplayBuffer:
-    """One batch of decisions on ``device``, served in ``minibatch_size`` minibatches without
-    replacement (one epoch per pass)."""
-    storage = LazyTensorStorage(decisions_per_batch, device=device)
-    sampler = SamplerWithoutReplacement()
-    return ReplayBuffer(storage=storage, sampler=sampler, batch_size=config.minibatch_size)
-
-
 # ----------------------------------------------------------------------------- the update
 def ppo_iteration(
     learner: Learner,
@@ -343,25 +281,6 @@ def ppo_iteration(
     return row
 
 
-# ----------------------------------------------------------------------------- checkpoints
-def save_ppo_run(
-    path: Path,
-    learner: Learner,
-    model_config: models.ModelConfig,
-    config: PPOConfig,
-    run: runs.RunProgress,
-    start: dict[str, Any] | None = None,
-) -> None:
-    """The run checkpoint ``--resume`` reads (what the learner trains, the progress, the
-    advantage and ``start``: the seed and the pretrained weights' digest), from which
-    ``load_policy`` also rebuilds the fine-tuned policy
-    (:func:`~torchrl_flowpolicy.models.save_policy_run`, which records the sampler settings
-    and the noise)."""
-    progress = {"task": config.task, "advantage": config.advantage, **(start or {})}
-    progress |= run.state()
-    models.save_policy_run(path, learner.trained(), learner.policy, model_config, **progress)
-
-
 # ----------------------------------------------------------------------------- main
 def main(config: PPOConfig) -> dict:
     # Config: this process's rank, device and seeds; the output folder.
@@ -403,8 +322,6 @@ def main(config: PPOConfig) -> dict:
 
     # Critic, loss, optimisers (resumed if asked); every rank starts from rank 0's weights.
     learner = make_learner(policy, config, executed)
-    actor_rates = [group["lr"] for group in learner.actor_optimizer.param_groups]
-    decay_steps = config.actor_learning_rate_decay_env_steps
     if saved is not None:
         saved = runs.resume_run(saved, learner.trained())
         run = runs.RunProgress.from_state(saved)
@@ -455,11 +372,7 @@ def main(config: PPOConfig) -> dict:
         batch_steps = distributed.sum_over_processes(collectors.env_steps(batch))  # all ranks
         run.env_steps += batch_steps
         train_actor = config.advantage == "grpo" or run.iteration > config.critic_warmup_iterations
-        factor = runs.learning_rate_factor(
-            run.env_steps - batch_steps, config.total_env_steps, decay_steps
-        )
-        for group, base in zip(learner.actor_optimizer.param_groups, actor_rates, strict=True):
-            group["lr"] = base * factor  # the options' rates, not a resumed optimiser's
+        learner.set_actor_rates(run.env_steps - batch_steps, config)
         row = ppo_iteration(learner, batch, replay_buffer, config, train_actor)
         collector.update_policy_weights_(weights)  # the workers sample with them next
         row["iteration"] = run.iteration

@@ -16,10 +16,11 @@ def load_example(name: str) -> ModuleType:
 
     The scripts import their shared modules by name, as a script's own folder allows:
     ``common`` (the command line), and for the fine-tuning scripts ``pretrain``,
-    ``run_settings`` (their settings' checks) and ``dsrl_runs`` (DSRL's checkpoint); those
+    ``run_settings`` (their settings' checks), ``ppo_learner`` (PPO's learner) and ``dsrl_runs``
+    (DSRL's checkpoint); those
     are loaded the same way first and registered under their names, as ``import`` would.
     """
-    shared = ("common", "pretrain", "run_settings", "dsrl_runs")
+    shared = ("common", "pretrain", "run_settings", "ppo_learner", "dsrl_runs")
     for module_name in dict.fromkeys((*shared, name)):
         path = EXAMPLES / f"{module_name}.py"
         loaded = sys.modules.get(module_name)

@@ -292,7 +292,7 @@ def test_dsrl_target_entropy_follows_the_box_and_refuses_unreachable_targets(exa
 
 # ----------------------------------------------------------------------------- command line
 # The example scripts; the modules they share (no command line of their own) left out.
-SHARED_MODULES = ("common.py", "run_settings.py", "dsrl_runs.py")
+SHARED_MODULES = ("common.py", "run_settings.py", "ppo_learner.py", "dsrl_runs.py")
 SCRIPTS = sorted(
     path.name for path in (ROOT / "examples").glob("*.py") if path.name not in SHARED_MODULES
 )
