@@ -1,8 +1,8 @@
-"""The example scripts as modules, for the benchmarks that time an example's own code.
+"""The example scripts as modules, for the benchmarks and tests that run an example's own code.
 
 ``load_example("ppo")`` loads ``examples/ppo.py`` from its path (``sys.path`` untouched),
-after the modules it imports by name (``common``, ``pretrain``, ``run_settings``), registered under their names
-as ``import`` would.
+after the modules the scripts import by name (:data:`SHARED`), registered under their names
+as ``import`` would. ``tests/examples_loader.py`` re-exports it for the tests.
 """
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ from types import ModuleType
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
+# What the scripts import by name, as a script's own folder allows: ``common`` (the command
+# line), ``pretrain``, ``run_settings`` (the settings' checks), ``ppo_learner`` (PPO's
+# learner) and ``dsrl_runs`` (DSRL's checkpoint).
+SHARED = ("common", "pretrain", "run_settings", "ppo_learner", "dsrl_runs")
+
 
 def load_example(name: str) -> ModuleType:
-    """``examples/{name}.py`` as a module."""
-    for module_name in dict.fromkeys(("common", "pretrain", "run_settings", name)):
+    """``examples/{name}.py`` as a module, after the shared modules."""
+    for module_name in dict.fromkeys((*SHARED, name)):
         path = EXAMPLES / f"{module_name}.py"
         loaded = sys.modules.get(module_name)
         if loaded is not None and getattr(loaded, "__file__", None) == str(path):

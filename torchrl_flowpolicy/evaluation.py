@@ -39,6 +39,8 @@ __all__ = [
 
 Decoding = Literal["sampled", "noise_free"]
 DECODINGS: tuple[Decoding, ...] = ("sampled", "noise_free")
+# The scale of x_0 = scale * N(0, I) each decoding starts its ODE from.
+_DECODING_NOISE_SCALES: dict[Decoding, float] = {"sampled": 1.0, "noise_free": 0.0}
 
 
 def episode_outcomes(
@@ -186,7 +188,7 @@ def decoding(policy: FlowSDEPolicy, name: Decoding) -> Iterator[FlowSDEPolicy]:
     if name not in DECODINGS:
         raise ValueError(f"unknown decoding {name!r}: use one of {list(DECODINGS)}.")
     previous = policy.options
-    wanted = previous.replace(eval_noise_scale=1.0 if name == "sampled" else 0.0)
+    wanted = previous.replace(eval_noise_scale=_DECODING_NOISE_SCALES[name])
     if wanted != previous:  # setting options checks them: only when they change
         policy.options = wanted
     try:
@@ -206,8 +208,10 @@ def decoding_label(eval_noise_scale: float) -> str:
     """
     if eval_noise_scale < 0:
         raise ValueError(f"eval_noise_scale must be >= 0, got {eval_noise_scale}.")
-    names = {0.0: "noise-free", 1.0: "sampled"}
-    return names.get(float(eval_noise_scale), f"x_0 = {eval_noise_scale:g} N(0, I)")
+    for name, scale in _DECODING_NOISE_SCALES.items():
+        if float(eval_noise_scale) == scale:
+            return name.replace("_", "-")
+    return f"x_0 = {eval_noise_scale:g} N(0, I)"
 
 
 def evaluate_decodings(

@@ -272,6 +272,9 @@ class Task:
 # step, the main job's sampler (ppo.py's: K = 4 from x_0 = 0, the last 2 steps stochastic,
 # the evaluation ODE at K = 4 from x_0 = 0) and 120 iterations (725,760 env steps on Can),
 # read off seed 0's validation states: 93.5 % noise-free at 60 iterations, 96.5 % at 120.
+# Can's full recipe continues such a run with --resume to 1,088,640 env steps, 48 envs,
+# minibatches of 1,008 and the actor's learning rate decaying to 0 over those 362,880 env
+# steps (docs/robosuite.md, "Can's recipe"): two phases, which one set of defaults cannot say.
 _CAN_PPO = types.MappingProxyType(
     {
         "num_envs": 24,
