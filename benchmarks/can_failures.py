@@ -89,7 +89,9 @@ def split_state_lines(items: str) -> list[str]:
 
 def read_evaluation(item: str) -> dict:
     """The evaluation JSON at ``item`` (``path``), or only its row ``i`` (``path:i``)."""
-    path, _, index = item.rpartition(":") if item.rpartition(":")[2].isdigit() else (item, "", "")
+    path, separator, index = item.rpartition(":")
+    if not (separator and index.isdigit()):
+        path, index = item, ""
     evaluation = json.loads(Path(path).read_text())
     if index:
         evaluation["rows"] = [evaluation["rows"][int(index)]]

@@ -5,6 +5,7 @@ observations (each kind, the order of the checks, bad input) and on robosuite's 
 from __future__ import annotations
 
 import importlib
+import json
 import math
 from pathlib import Path
 
@@ -236,6 +237,21 @@ def test_the_failure_report_bands_pairs_and_counts(monkeypatch):
         can_failures.report({"seed": 20_000, "rows": rows[:1]})
     with pytest.raises(ValueError, match="--failure_kinds"):
         can_failures.report({"seed": 20_000, "rows": [{"success_rate": 0.5}] * 2})
+
+
+def test_an_evaluation_is_read_whole_or_as_one_row(monkeypatch, tmp_path):
+    pytest.importorskip("robosuite")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    can_failures = importlib.import_module("can_failures")
+    rows = [{"success_rate": 0.25}, {"success_rate": 0.75}]
+    path = tmp_path / "run:2" / "evaluation.json"  # a colon that is not a row index
+    path.parent.mkdir()
+    path.write_text(json.dumps({"seed": 20_000, "rows": rows}))
+    assert can_failures.read_evaluation(str(path)) == {"seed": 20_000, "rows": rows}
+    assert can_failures.read_evaluation(f"{path}:1") == {"seed": 20_000, "rows": rows[1:]}
+    assert can_failures.read_evaluation(f"{path}:0")["rows"] == rows[:1]
+    with pytest.raises(IndexError):
+        can_failures.read_evaluation(f"{path}:2")
 
 
 def test_the_split_states_count_each_splits_first_resets_by_band(monkeypatch):
