@@ -324,8 +324,8 @@ def learning_rate_factor(env_steps: int, total_env_steps: int, decay_env_steps: 
     its extension; a resumed run recomputes the factor from its env steps.
 
     Example:
-        >>> [learning_rate_factor(s, 1000, 400) for s in (0, 600, 800, 1000)]
-        [1.0, 1.0, 0.5, 0.0]
+        >>> tuple(learning_rate_factor(s, 1000, 400) for s in (0, 600, 800, 1000))
+        (1.0, 1.0, 0.5, 0.0)
         >>> learning_rate_factor(800, 1000, 0)
         1.0
     """
