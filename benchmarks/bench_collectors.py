@@ -1,6 +1,6 @@
 """Collection throughput: env steps/s with 1 and with 2 collector processes.
 
-The collectors of :func:`torchrl_flowpolicy.collectors.make_collector`, as
+The collectors of :func:`torchrl_flowpolicy.training.collectors.make_collector`, as
 ``examples/ppo.py`` builds them (every batch one episode per environment from fresh resets).
 One process: TorchRL's ``Collector`` stepping ``num_envs`` chunked task environments and
 the flow policy (K = 8, the examples' reference transformer, RANDOM exploration) in this
@@ -22,19 +22,19 @@ import time
 import torch
 
 from torchrl_flowpolicy import SamplerOptions
-from torchrl_flowpolicy.collectors import (
+from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.tasks import TASKS, get_task
+from torchrl_flowpolicy.training.collectors import (
     CollectorOptions,
     TaskEnvFactory,
     env_steps,
     make_collector,
     shutdown_collector,
 )
-from torchrl_flowpolicy.envs import TASKS, get_task
-from torchrl_flowpolicy.models import ModelConfig, build_policy
-from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.reports import decisions_per_episode
-from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
-from torchrl_flowpolicy.runs import write_json
+from torchrl_flowpolicy.training.models import ModelConfig, build_policy
+from torchrl_flowpolicy.training.reports import decisions_per_episode
+from torchrl_flowpolicy.training.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.training.runs import write_json
 
 
 def time_collector(collector, batches: int) -> float:

@@ -2,7 +2,7 @@
 
 What it measures: ``examples/ppo.py``'s learner, ``ppo_iteration`` (reward scaling, success
 flags, GAE, then ``epochs`` passes of minibatch updates of ``DenoisingClipPPOLoss``: critic
-and actor losses, one backward, :func:`~torchrl_flowpolicy.distributed.average_gradients`,
+and actor losses, one backward, :func:`~torchrl_flowpolicy.training.distributed.average_gradients`,
 clipping, two Adam steps), with the example's defaults: the reference transformer policy of
 ``examples/common.py`` (``build_policy``, default ``ModelConfig``: chunk 8 x 7, width 64, 2
 layers; K = 8, the last 4 steps stochastic), 16 environments x 38 decisions = 608 decisions
@@ -58,13 +58,13 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from torchrl_flowpolicy import distributed
-from torchrl_flowpolicy.distributed import close_distributed, init_distributed
-from torchrl_flowpolicy.models import ModelConfig, build_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.reports import decisions_per_episode
-from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
-from torchrl_flowpolicy.runs import write_json
+from torchrl_flowpolicy.training import distributed
+from torchrl_flowpolicy.training.distributed import close_distributed, init_distributed
+from torchrl_flowpolicy.training.models import ModelConfig, build_policy
+from torchrl_flowpolicy.training.reports import decisions_per_episode
+from torchrl_flowpolicy.training.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.training.runs import write_json
 
 ppo = load_example("ppo")  # the example's own learner is what is timed
 

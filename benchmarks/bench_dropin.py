@@ -56,11 +56,11 @@ from torchrl.modules import ProbabilisticActor
 
 from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.envs.chunking import ClampAction, make_chunked_env
-from torchrl_flowpolicy.gaussian_baseline import make_gaussian_actor
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
-from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
-from torchrl_flowpolicy.runs import write_json
 from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.training.gaussian_baseline import make_gaussian_actor
+from torchrl_flowpolicy.training.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.training.runs import write_json
 
 ENV_NAME = "HalfCheetah-v5"
 OBSERVATION_DIM, ACTION_DIM = 17, 6
@@ -81,7 +81,7 @@ def make_env(chunk: int, seed: int = 0) -> TransformedEnv:
 
 def make_stock_actor(env: TransformedEnv, hidden: int, layers: int) -> ProbabilisticActor:
     """The reference script's Gaussian actor, for an action of the environment's shape
-    (:func:`~torchrl_flowpolicy.gaussian_baseline.make_gaussian_actor`)."""
+    (:func:`~torchrl_flowpolicy.training.gaussian_baseline.make_gaussian_actor`)."""
     return make_gaussian_actor(
         OBSERVATION_DIM, env.full_action_spec_unbatched, num_cells=[hidden] * layers
     )

@@ -18,9 +18,10 @@ import time
 import torch
 from torchrl.envs import SerialEnv, TransformedEnv
 
-from torchrl_flowpolicy.envs import BatchedGymEnv, PusherTask, make_chunked_env, make_pusher_env
-from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
-from torchrl_flowpolicy.runs import write_json
+from torchrl_flowpolicy.envs import BatchedGymEnv, make_chunked_env
+from torchrl_flowpolicy.tasks import PusherTask, make_pusher_env
+from torchrl_flowpolicy.training.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.training.runs import write_json
 
 CHUNK = 4
 HORIZON = 150

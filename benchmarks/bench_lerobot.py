@@ -74,9 +74,9 @@ from torchrl_flowpolicy.integrations.lerobot_models import (  # noqa: E402
     random_lerobot_policy,
 )
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
-from torchrl_flowpolicy.run_checks import add_output_options, check_output_option  # noqa: E402
-from torchrl_flowpolicy.runs import write_json  # noqa: E402
 from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
+from torchrl_flowpolicy.training.run_checks import add_output_options, check_output_option  # noqa: E402
+from torchrl_flowpolicy.training.runs import write_json  # noqa: E402
 
 CAMERA = "observation.images.top"
 GOALS = {"rollout": 1.05, "learner_cache": 1.3, "learner_inputs": 1.3}

@@ -56,9 +56,9 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
 from torchrl_flowpolicy.policy import FlowSDEPolicy
-from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
-from torchrl_flowpolicy.runs import write_json
 from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.training.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.training.runs import write_json
 
 from benchmark_networks import ACTION_SHAPE, NETWORKS, OBSERVATION_DIM, build_networks
 

@@ -1,6 +1,6 @@
 """Collection throughput of the collectors of ``examples/ppo.py``: process against Ray backends.
 
-Four set-ups of :func:`torchrl_flowpolicy.collectors.make_collector` on the chunked Pusher (``num_envs`` environments, the
+Four set-ups of :func:`torchrl_flowpolicy.training.collectors.make_collector` on the chunked Pusher (``num_envs`` environments, the
 examples' reference transformer with K = 8 and the last 4 steps stochastic, as
 ``benchmarks/bench_collectors.py`` builds it): the process backend with 1 worker (TorchRL's
 ``Collector`` in this process) and 2 (``MultiSyncCollector``), and the Ray backend
@@ -25,15 +25,15 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_flowpolicy import SamplerOptions
-from torchrl_flowpolicy.collectors import (
+from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.training.collectors import (
     CollectorOptions,
     TaskEnvFactory,
     env_steps,
     make_collector,
 )
-from torchrl_flowpolicy.models import ModelConfig, build_policy
-from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.reports import decisions_per_episode
+from torchrl_flowpolicy.training.models import ModelConfig, build_policy
+from torchrl_flowpolicy.training.reports import decisions_per_episode
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,16 +6,16 @@ checkpoint, then its fine-tuned one, on the same states), or two such JSONs of o
 prints:
 
 1. per band of the can's distance to the edge of its placement range at the reset
-   (:func:`~torchrl_flowpolicy.envs.can_outcomes.distance_to_placement_edge`), the states and
+   (:func:`~torchrl_flowpolicy.tasks.robosuite.can_outcomes.distance_to_placement_edge`), the states and
    each row's failures;
 2. the pairing: the second row's failures that were failures of the first, and the states
    "never lifted" under both;
 3. each row's successful episodes' lengths in env steps (median, 90th percentile, maximum);
 4. the paired difference of the success rates, second row minus first, with the protocol's
-   bootstrap interval over the states (:func:`~torchrl_flowpolicy.statistics.paired_bootstrap_interval`);
+   bootstrap interval over the states (:func:`~torchrl_flowpolicy.training.statistics.paired_bootstrap_interval`);
 5. with ``--demonstrations``, how many demonstrations start in each band;
 6. with ``--split_states`` (``split:episodes`` items), how many of each protocol split's first
-   states (:mod:`torchrl_flowpolicy.protocol`) start in each band, e.g. whether the learning
+   states (:mod:`torchrl_flowpolicy.training.protocol`) start in each band, e.g. whether the learning
    curve's 50 episodes hold as many cans near the edge as the 200 validation ones.
 
 The reset states are rebuilt from the JSON's first reset seed (episode ``i`` resets with
@@ -40,11 +40,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchrl_flowpolicy.envs.can_outcomes import distance_to_placement_edge
-from torchrl_flowpolicy.envs.robosuite_layout import OBSERVATION_SLICES
-from torchrl_flowpolicy.envs.robosuite_tasks import RobosuiteGymEnv
-from torchrl_flowpolicy.protocol import split_seed
-from torchrl_flowpolicy.statistics import paired_bootstrap_interval
+from torchrl_flowpolicy.tasks.robosuite.can_outcomes import distance_to_placement_edge
+from torchrl_flowpolicy.tasks.robosuite.env import RobosuiteGymEnv
+from torchrl_flowpolicy.tasks.robosuite.layout import OBSERVATION_SLICES
+from torchrl_flowpolicy.training.protocol import split_seed
+from torchrl_flowpolicy.training.statistics import paired_bootstrap_interval
 
 BANDS = ((0.0, 0.02), (0.02, 0.04), (0.04, float("inf")))
 _CAN = OBSERVATION_SLICES["PickPlaceCan"]["can_pos"]

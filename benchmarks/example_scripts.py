@@ -14,10 +14,10 @@ from types import ModuleType
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-# What the scripts import by name, as a script's own folder allows: ``common`` (the command
-# line), ``pretrain``, ``run_settings`` (the settings' checks), ``ppo_learner`` (PPO's
-# learner) and ``dsrl_runs`` (DSRL's checkpoint).
-SHARED = ("common", "pretrain", "run_settings", "ppo_learner", "dsrl_runs")
+# What the scripts import by name, as a script's own folder allows, each after those it
+# imports: ``run_settings`` (the settings' checks), ``common`` (the command line),
+# ``pretrain``, ``ppo_learner`` (PPO's learner) and ``dsrl_runs`` (DSRL's checkpoint).
+SHARED = ("run_settings", "common", "pretrain", "ppo_learner", "dsrl_runs")
 
 
 def load_example(name: str) -> ModuleType:

@@ -1,7 +1,7 @@
 """A robosuite scripted expert's success and episode lengths, with action noise.
 
-The tables in ``torchrl_flowpolicy.envs.lift_expert``, ``torchrl_flowpolicy.envs.can_expert``
-and ``torchrl_flowpolicy.envs.square_expert`` come from this script: the expert
+The tables in ``torchrl_flowpolicy.tasks.robosuite.lift_expert``, ``torchrl_flowpolicy.tasks.robosuite.can_expert``
+and ``torchrl_flowpolicy.tasks.robosuite.square_expert`` come from this script: the expert
 (``LiftExpert``, ``CanExpert`` or ``SquareExpert``, built with ``from_env``)
 runs ``--episodes`` episodes from reset seeds ``--first_seed`` on (never used for tuning),
 Gaussian noise of standard deviation ``--action_noise`` added to all 7 action entries and
@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from torchrl_flowpolicy.envs.robosuite_experts import EXPERTS
-from torchrl_flowpolicy.envs.robosuite_tasks import TASKS, RobosuiteGymEnv
+from torchrl_flowpolicy.tasks.robosuite.env import TASKS, RobosuiteGymEnv
+from torchrl_flowpolicy.tasks.robosuite.experts import EXPERTS
 
 
 def main() -> None:

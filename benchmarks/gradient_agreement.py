@@ -33,8 +33,8 @@ import torch
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from torchrl_flowpolicy import SamplerOptions
-from torchrl_flowpolicy.envs import get_task
-from torchrl_flowpolicy.models import load_policy_checkpoint
+from torchrl_flowpolicy.tasks import get_task
+from torchrl_flowpolicy.training.models import load_policy_checkpoint
 
 
 def episode_mask(done: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from torchrl_flowpolicy import SamplerOptions, load_policy
-from torchrl_flowpolicy.envs.robosuite_tasks import OBSERVATION_SLICES, RobosuiteGymEnv
+from torchrl_flowpolicy.tasks.robosuite.env import OBSERVATION_SLICES, RobosuiteGymEnv
 
 VALIDATION_SEED = 20_000
 GAP = OBSERVATION_SLICES["Lift"]["gripper_to_cube_pos"]

@@ -61,12 +61,12 @@ from example_scripts import load_example
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from torchrl_flowpolicy import collectors, models, reports
-from torchrl_flowpolicy.data import make_chunk_dataset
-from torchrl_flowpolicy.envs import get_task
 from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.run_checks import add_output_options, check_output_option
-from torchrl_flowpolicy.runs import write_json
+from torchrl_flowpolicy.tasks import get_task
+from torchrl_flowpolicy.training import collectors, models, reports
+from torchrl_flowpolicy.training.data import make_chunk_dataset
+from torchrl_flowpolicy.training.run_checks import add_output_options, check_output_option
+from torchrl_flowpolicy.training.runs import write_json
 
 PARTS = ("env", "policy", "collection", "learner", "evaluation", "protocol", "pretrain_step")
 PRETRAIN_STEPS_PER_ROUND = 5

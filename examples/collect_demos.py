@@ -13,7 +13,7 @@ settings loads it instead of collecting again. The script prints the demonstrati
 rate (final horizontal object-goal distance below ``success_threshold``) and its wall time.
 
 Other scripts get the same data with
-``torchrl_flowpolicy.envs.load_or_collect_demos(num_episodes, action_noise, seed)``.
+``torchrl_flowpolicy.tasks.load_or_collect_demos(num_episodes, action_noise, seed)``.
 
 Run (every option: ``--help``)::
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from torchrl_flowpolicy.envs import load_or_collect_demos
-from torchrl_flowpolicy.envs.pusher import DEFAULT_MAX_EPISODE_STEPS, DEFAULT_SUCCESS_THRESHOLD
+from torchrl_flowpolicy.tasks import load_or_collect_demos
+from torchrl_flowpolicy.tasks.pusher.env import DEFAULT_MAX_EPISODE_STEPS, DEFAULT_SUCCESS_THRESHOLD
 
 from common import option, parse_config
 

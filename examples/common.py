@@ -1,8 +1,9 @@
 """The examples' command line: one config dataclass per script, parsed and checked.
 
-Everything else the examples share (the run lifecycle, the policy's checkpoint, the
-collectors, the logger, the reports) lives in the package: ``torchrl_flowpolicy.runs``,
-``.models``, ``.collectors``, ``.loggers``, ``.reports``.
+The checks of the settings (their bounds, a fine-tuning run's files and device) are in
+``run_settings.py``; everything else the examples share (the run lifecycle, the policy's
+checkpoint, the collectors, the logger, the reports) lives in the package:
+``torchrl_flowpolicy.training.runs``, ``.models``, ``.collectors``, ``.loggers``, ``.reports``.
 
 **The command line.** Each script's settings are one dataclass whose fields are declared with
 :func:`option` (a default and one line of help). :func:`parse_config` turns the dataclass
@@ -12,12 +13,12 @@ the allowed values of a ``Literal`` type as choices, ``--name A B`` for a ``list
 without a default is a required option. ``--help`` prints every field's help text and
 default. A script that passes ``quick=`` also gets ``--quick``: its values replace
 the defaults, and options typed on the command line win over them. A number's bounds
-(``option(..., minimum=1)``) are checked on the resulting config, before any work: a value
-out of bounds exits with argparse's error naming the option. So does an option given a
-value other than its default without the setting it ``requires``
-(``option(..., requires=("noise", "learned"))``), and options that contradict each other,
-which a config lists in its ``option_conflicts()`` method (e.g. ``--num_envs`` not a
-multiple of ``--group_size``).
+(``option(..., minimum=1)``) are checked on the resulting config, before any work
+(``run_settings.config_errors``): a value out of bounds exits with argparse's error naming
+the option. So does an option given a value other than its default without the setting it
+``requires`` (``option(..., requires=("noise", "learned"))``), and options that contradict
+each other, which a config lists in its ``option_conflicts()`` method (e.g. ``--num_envs``
+not a multiple of ``--group_size``).
 
 Why this small builder rather than ``tyro``: tyro would read the same dataclasses, but
 adds a dependency whose defaults (kebab-case flags, its own boolean and nested-option
@@ -31,18 +32,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import MISSING, dataclass
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import torch
+from torchrl_flowpolicy.tasks import TASKS
 
-from torchrl_flowpolicy import run_checks, runs
-from torchrl_flowpolicy.envs import TASKS, get_task
-from torchrl_flowpolicy.sampler import check_options
-from torchrl_flowpolicy.sampler_options import SamplerOptions
+from run_settings import config_errors, quick_path
 
 Config = TypeVar("Config")
 
@@ -61,7 +57,7 @@ def option(
     """A config field: its default (or ``default_factory``), the line ``--help`` prints,
     the bounds of a number (``minimum <= value``, ``above < value``, ``value <= maximum``)
     and the ``(option, value)`` it ``requires`` to be given another value than its default
-    (``--help`` says so), which :func:`validate_config` checks."""
+    (``--help`` says so), which :func:`run_settings.validate_config` checks."""
     if not help:
         raise ValueError("every option needs a help text.")
     if requires is not None:
@@ -75,62 +71,6 @@ def option(
             **{name: value for name, value in bounds.items() if value is not None},
         },
     )
-
-
-def config_errors(config: Any, prefix: str = "") -> list[str]:
-    """What is wrong with ``config``'s options: one line per value outside the bounds of its
-    :func:`option`, naming the option as the command line spells it (nested dataclasses
-    too; NaN is outside any bound), one line per setting that options given without it
-    require, naming them, then the lines of the config's ``option_conflicts()`` method, if
-    it has one (options that contradict each other, each line naming them)."""
-    errors, unmet = [], {}
-    for item in dataclasses.fields(config):
-        name, value = f"{prefix}{item.name}", getattr(config, item.name)
-        if dataclasses.is_dataclass(value):
-            errors += config_errors(value, f"{name}.")
-            continue
-        expected = []
-        if "minimum" in item.metadata and not value >= item.metadata["minimum"]:
-            expected.append(f">= {item.metadata['minimum']}")
-        if "above" in item.metadata and not value > item.metadata["above"]:
-            expected.append(f"> {item.metadata['above']}")
-        if "maximum" in item.metadata and not value <= item.metadata["maximum"]:
-            expected.append(f"<= {item.metadata['maximum']}")
-        if expected:
-            errors.append(
-                f"--{name} {value}: must be {' and '.join(expected)} ({item.metadata['help']})"
-            )
-        required = item.metadata.get("requires")
-        if required and value != item.default and getattr(config, required[0]) != required[1]:
-            unmet.setdefault(required, []).append(f"--{name} {value}")
-    for (required, wanted), given in unmet.items():
-        errors.append(f"{' '.join(given)}: only with --{required} {wanted}")
-    conflicts = getattr(config, "option_conflicts", None)
-    if callable(conflicts):
-        errors += list(conflicts())
-    return errors
-
-
-def validate_config(config: Any) -> None:
-    """Refuse a config with a number outside the bounds of its :func:`option`.
-
-    :func:`parse_config` calls it on every parsed config (after the task's and ``--quick``'s
-    defaults); the scripts' ``main`` calls it too, for configs built in code.
-
-    Raises:
-        ValueError: one line per option out of bounds, naming it and its bounds.
-    """
-    errors = config_errors(config)
-    if errors:
-        raise ValueError("invalid options:\n  " + "\n  ".join(errors))
-
-
-def warn_config(config: Any) -> None:
-    """Warn (``UserWarning``), before any work, about each line of the config's
-    ``option_warnings()`` method, if it has one: settings that are valid but in which the
-    run cannot learn (an objective that stays 0, an actor never updated)."""
-    for line in getattr(config, "option_warnings", list)():
-        warnings.warn(line, UserWarning, stacklevel=3)
 
 
 def split_list(text: str, option: str, kind: Callable[[str], Any] = str) -> list[Any]:
@@ -151,88 +91,6 @@ def split_list(text: str, option: str, kind: Callable[[str], Any] = str) -> list
                 f"{option} {text!r}: {item!r} is not a {getattr(kind, '__name__', kind)}."
             ) from None
     return values
-
-
-# The TorchRL loggers a run may name in --loggers (torchrl_flowpolicy.loggers.MetricLogger).
-LOGGERS = ("wandb", "csv")
-
-# What a fine-tuning run writes into its --output_dir besides its logs.
-RUN_FILES = (*run_checks.RUN_RESULTS, "learning_curve.png")
-
-
-def check_pretrained_checkpoint(config: Any) -> None:
-    """Refuse, before any work, a fine-tuning run's ``--pretrained_checkpoint`` that it could
-    not read, or that its pretraining would write over another run's results.
-
-    A missing checkpoint is pretrained (``examples/pretrain.py``) only at the task's default
-    path or with ``--pretrain_if_missing``: a misspelled path is an error, not a fresh start.
-
-    Raises:
-        IsADirectoryError: the path is a folder.
-        FileNotFoundError: a missing checkpoint that is not pretrained here (or that a
-            ``--resume`` needs: the run started from it).
-        ValueError: the run's own outputs include it, or its pretraining would write into
-            the run's ``--output_dir``.
-        FileExistsError: its pretraining would replace another pretraining's summary.
-    """
-    path, output_dir = Path(config.pretrained_checkpoint), Path(config.output_dir)
-    written = {"--output_dir": [output_dir / name for name in RUN_FILES]}
-    run_checks.check_not_an_input(written, {"--pretrained_checkpoint": [path]})
-    if path.is_dir() or path.is_file() or config.resume:
-        hint = "the run to resume started from it: give the checkpoint it was started with."
-        run_checks.check_input_file(path, "--pretrained_checkpoint", hint)
-        return
-    default = get_task(config.task).pretrained_checkpoint
-    defaults = (Path(default), Path(quick_path(default)))  # --quick's own (parse_config)
-    if not config.pretrain_if_missing and path not in defaults:
-        raise FileNotFoundError(
-            f"--pretrained_checkpoint {path}: no such file. Only the task's default "
-            f"({default}) is pretrained when missing: fix the path, or pass "
-            "--pretrain_if_missing to pretrain a policy there first."
-        )
-    if path.parent.resolve() == output_dir.resolve():
-        raise ValueError(
-            f"--pretrained_checkpoint {path}: its pretraining would write its summary.json into "
-            f"--output_dir {output_dir}, where this run writes its own; put it in another folder."
-        )
-    run_checks.check_output_dir(
-        path.parent,
-        (path.name, "summary.json"),
-        resume=False,
-        overwrite=config.overwrite,
-        option="the pretraining's folder (--pretrained_checkpoint's)",
-        resumable=False,
-    )
-
-
-def check_run_config(config: Any) -> torch.device:
-    """Refuse, before any work, a fine-tuning config (``examples/ppo.py``, ``dsrl.py``) that
-    the run could not carry out, and warn about settings in which it cannot learn
-    (:func:`warn_config`); returns the run's device.
-
-    Raises:
-        ValueError: options out of bounds or contradicting each other
-            (:func:`validate_config`), ``--sampler.*`` settings the sampler refuses
-            (:func:`~torchrl_flowpolicy.sampler.check_options`), an unavailable ``--device``,
-            a ``--loggers`` name that is not a logger.
-        FileNotFoundError: ``--resume`` without a checkpoint in ``output_dir``; a missing
-            ``--pretrained_checkpoint`` (:func:`check_pretrained_checkpoint`).
-        FileExistsError: an ``output_dir`` that holds a run's results, without ``--resume``
-            or ``--overwrite`` (:func:`~torchrl_flowpolicy.run_checks.check_output_dir`).
-    """
-    validate_config(config)
-    if isinstance(getattr(config, "sampler", None), SamplerOptions):
-        check_options(config.sampler, "--sampler.*")
-    device = runs.resolve_device(config.device)
-    unknown = [name for name in split_list(config.loggers, "--loggers") if name not in LOGGERS]
-    if unknown:
-        raise ValueError(f"--loggers {config.loggers}: {unknown} not among {list(LOGGERS)}.")
-    if config.resume:
-        runs.require_run_checkpoint(Path(config.output_dir) / "checkpoint.pt")
-    run_checks.check_output_dir(config.output_dir, resume=config.resume, overwrite=config.overwrite)
-    check_pretrained_checkpoint(config)
-    warn_config(config)
-    return device
 
 
 def _add_options(
@@ -296,31 +154,18 @@ def _with_option(config: Any, name: str, value: Any) -> Any:
     return config
 
 
-#: Where ``--quick`` puts a script's default outputs and pretrained start.
-QUICK_FOLDER = "outputs/quick"
-# The path options that --quick moves under QUICK_FOLDER when the command line names none.
+# The path options that --quick moves under run_settings.QUICK_FOLDER when the command line
+# names none.
 _QUICK_PATH_OPTIONS = ("output_dir", "pretrained_checkpoint")
-
-
-def quick_path(path: str) -> str:
-    """A default path of a full run as ``--quick`` uses it, under :data:`QUICK_FOLDER`: a
-    quick run never writes over a full run's results, nor starts a full run from its short
-    pretraining.
-
-    Example:
-        >>> quick_path("outputs/pretrain_lift/policy.pt")
-        'outputs/quick/pretrain_lift/policy.pt'
-    """
-    parts = Path(path).parts
-    return str(Path(QUICK_FOLDER, *(parts[1:] if parts[:1] == ("outputs",) else parts)))
 
 
 def _quick_paths(
     config_class: type, values: Mapping[str, Any], typed: Mapping[str, Any]
 ) -> dict[str, Any]:
     """``--quick``'s paths: each default of :data:`_QUICK_PATH_OPTIONS` under
-    :data:`QUICK_FOLDER`; a quick run in the quick folder replaces an earlier quick run's
-    results (``overwrite``) unless it resumes one. Paths on the command line are kept."""
+    :data:`run_settings.QUICK_FOLDER`; a quick run in the quick folder replaces an earlier
+    quick run's results (``overwrite``) unless it resumes one. Paths on the command line are
+    kept."""
     fields = {field.name: field for field in dataclasses.fields(config_class)}
     moved = {}
     for name in _QUICK_PATH_OPTIONS:
@@ -341,8 +186,8 @@ def parse_config(
     exclude: Collection[str] = (),
 ) -> Config:
     """The config of one run: ``config_class``'s defaults, then those of the chosen
-    ``--task``, then ``--quick`` (its default paths under :data:`QUICK_FOLDER`), then
-    ``argv``.
+    ``--task``, then ``--quick`` (its default paths under :data:`run_settings.QUICK_FOLDER`),
+    then ``argv``.
 
     Args:
         config_class: a dataclass whose fields (nested dataclasses too) are :func:`option`.
@@ -401,7 +246,8 @@ class TaskOptions:
 
     task: TaskName = option(
         "pusher",
-        "the task (envs.tasks): " + ", ".join(f"{name}: {t.title}" for name, t in TASKS.items()),
+        "the task (tasks.registry): "
+        + ", ".join(f"{name}: {t.title}" for name, t in TASKS.items()),
     )
     max_episode_steps: int = option(150, "horizon (env steps)", minimum=1)
     success_threshold: float = option(

@@ -35,20 +35,21 @@ from statistics import fmean as mean
 import matplotlib
 import torch
 
-from torchrl_flowpolicy.envs.tasks import TASKS
-from torchrl_flowpolicy.statistics import paired_bootstrap_interval
+from torchrl_flowpolicy.tasks.registry import TASKS
+from torchrl_flowpolicy.training.statistics import paired_bootstrap_interval
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from torchrl_flowpolicy.run_checks import (  # noqa: E402
+from torchrl_flowpolicy.training.run_checks import (  # noqa: E402
     check_input_file,
     check_not_an_input,
     check_output_file,
 )
-from torchrl_flowpolicy.runs import save_figure  # noqa: E402
+from torchrl_flowpolicy.training.runs import save_figure  # noqa: E402
 
-from common import option, parse_config, validate_config  # noqa: E402
+from common import option, parse_config  # noqa: E402
+from run_settings import validate_config  # noqa: E402
 
 
 @dataclass
@@ -70,13 +71,21 @@ class CompareConfig:
         "with --held_out: the label whose runs the others are compared with, paired episode by "
         "episode (same seed, same held-out states) in the reported decoding",
     )
+    diagnostics: bool = option(
+        False,
+        "with --held_out: add each run's mean PPO clip fraction and approximate KL over its "
+        "iterations (read from its CSV log) and its wall time",
+    )
     overwrite: bool = option(False, "replace an existing --output")
 
     def option_conflicts(self) -> list[str]:
         """Options given without what reads them."""
+        conflicts = []
         if self.baseline and not self.held_out:
-            return [f"--baseline {self.baseline}: only with --held_out"]
-        return []
+            conflicts.append(f"--baseline {self.baseline}: only with --held_out")
+        if self.diagnostics and not self.held_out:
+            conflicts.append("--diagnostics: only with --held_out")
+        return conflicts
 
 
 def run_path(specification: str) -> tuple[str, Path]:
@@ -148,17 +157,40 @@ def percent(rate: dict) -> str:
     return f"{100 * rate['rate']:.1f} %"
 
 
-def held_out_table(groups: dict[str, list[dict]], baseline: str) -> None:
+def logged_mean(summary: dict, name: str) -> float | None:
+    """The mean over the run's iterations of the scalar ``name`` (``clip_fraction``,
+    ``kl_approx``) in the CSV log under the run's ``output_dir``; ``None`` when the run
+    logged no CSV."""
+    found = sorted(Path(summary["config"]["output_dir"]).glob(f"csv/*/scalars/{name}.csv"))
+    if not found:
+        return None
+    values = [float(line.split(",")[1]) for line in found[0].read_text().splitlines() if line]
+    return mean(values) if values else None
+
+
+def diagnostics_cells(summary: dict) -> str:
+    """`` clip | kl | minutes |``: the run's mean clip fraction and KL, and its wall time."""
+    cells = []
+    for name, digits in (("clip_fraction", 3), ("kl_approx", 4)):
+        value = logged_mean(summary, name)
+        cells.append("n/a" if value is None else f"{value:.{digits}f}")
+    return f" {cells[0]} | {cells[1]} | {summary['wall_seconds'] / 60:.1f} |"
+
+
+def held_out_table(groups: dict[str, list[dict]], baseline: str, diagnostics: bool = False) -> None:
     """Each run's held-out protocol, and with ``baseline`` its paired difference in the
     reported decoding from the baseline's run of the same seed, per seed and pooled over
-    the seeds (the episodes of all seeds, each still paired with its own)."""
+    the seeds (the episodes of all seeds, each still paired with its own); with
+    ``diagnostics``, each run's mean clip fraction and KL (:func:`logged_mean`) and wall time."""
     if baseline and baseline not in groups:
         raise ValueError(f"--baseline {baseline!r} is not a label of --runs: {list(groups)}.")
     reference = {summary["seed"]: summary for summary in groups.get(baseline, [])}
     print()
     header = "| run | seed | RL sampled | RL noise-free | BC best | expert |"
-    print(header + (f" reported − {baseline} |" if baseline else ""))
-    print("| --- " * (6 + bool(baseline)) + "|")
+    header += f" reported − {baseline} |" if baseline else ""
+    header += " clip fraction | KL | wall time (min) |" if diagnostics else ""
+    print(header)
+    print("| --- " * (6 + bool(baseline) + 3 * diagnostics) + "|")
     for label, summaries in groups.items():
         pooled_first, pooled_second = [], []
         for summary in summaries:
@@ -183,10 +215,12 @@ def held_out_table(groups: dict[str, list[dict]], baseline: str) -> None:
                 row += difference(first, second)
             elif baseline:
                 row += " |"
+            if diagnostics:
+                row += diagnostics_cells(summary)
             print(row)
         if len(pooled_first) > 1:
             pooled = difference(torch.cat(pooled_first), torch.cat(pooled_second))
-            print(f"| {label} | pooled | | | | |{pooled}")
+            print(f"| {label} | pooled | | | | |{pooled}" + " | | |" * diagnostics)
 
 
 def difference(first: torch.Tensor, second: torch.Tensor) -> str:
@@ -243,7 +277,7 @@ def main(config: CompareConfig) -> None:
     save_figure(figure, config.output)
     print(f"wrote {config.output}")
     if config.held_out:
-        held_out_table(groups, config.baseline)
+        held_out_table(groups, config.baseline, config.diagnostics)
 
 
 if __name__ == "__main__":

@@ -35,21 +35,23 @@ from torchrl.modules import ProbabilisticActor
 from torchrl.objectives import SACLoss, SoftUpdate
 from tqdm import tqdm
 
-from torchrl_flowpolicy import FlowSDEPolicy, collectors, episodes, reports, runs
+from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.dsrl import DECODED_ACTION_KEY, NoiseActionTransform
 from torchrl_flowpolicy.dsrl_networks import (
     make_noise_actor,
     make_noise_critic,
     target_entropy_per_dim,
 )
-from torchrl_flowpolicy.envs import decision_discount, get_task
-from torchrl_flowpolicy.loggers import MetricLogger, MetricWindow
-from torchrl_flowpolicy.protocol import SPLIT_SIZE, training_seed
-from torchrl_flowpolicy.run_checks import weights_digest
+from torchrl_flowpolicy.envs import decision_discount
+from torchrl_flowpolicy.tasks import get_task
+from torchrl_flowpolicy.training import collectors, episodes, reports, runs
+from torchrl_flowpolicy.training.loggers import MetricLogger, MetricWindow
+from torchrl_flowpolicy.training.protocol import SPLIT_SIZE, training_seed
+from torchrl_flowpolicy.training.run_checks import weights_digest
 
 import pretrain
 import run_settings
-from common import TaskOptions, check_run_config, option
+from common import TaskOptions, option
 from dsrl_runs import Progress, resume_dsrl_run, save_dsrl_run
 
 
@@ -319,7 +321,7 @@ def next_multiple(value: int, every: int) -> int:
 # ----------------------------------------------------------------------------- main
 def main(config: DSRLConfig) -> dict:
     # Config: checked before any work; seeds, threads, the output folder.
-    device = check_run_config(config)  # a number out of bounds, an unavailable device
+    device = run_settings.check_run_config(config)  # a number out of bounds, an unavailable device
     runs.seed_random_generators(config.seed)
     torch.set_num_threads(config.threads)
     output_dir = Path(config.output_dir)

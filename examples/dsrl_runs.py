@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from torchrl.data import ReplayBuffer
 
-from torchrl_flowpolicy import runs
+from torchrl_flowpolicy.training import runs
 
 
 class Trainable(Protocol):

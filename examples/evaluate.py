@@ -3,7 +3,7 @@
 
 Loads each checkpoint (``examples/pretrain.py``'s ``policy.pt`` or ``examples/ppo.py``'s
 ``checkpoint.pt``: both store ``"policy"`` and ``"model_config"``), and runs
-``eval_episodes`` episodes of the ``split``'s seed range (``torchrl_flowpolicy.protocol``:
+``eval_episodes`` episodes of the ``split``'s seed range (``torchrl_flowpolicy.training.protocol``:
 ``curve`` from 10000, the learning curves; ``validation`` from 20000, for choosing defaults,
 hyper-parameters and the reported decoding; ``held_out`` from 30000, final numbers only)
 with the deterministic ODE (``eval_num_denoising_steps``) once per scale in ``eval_noise_scales``: the
@@ -16,17 +16,17 @@ anywhere in a DSRL noise box, before any training. With ``--expert`` the clean s
 expert runs on the same states. With ``--failure_kinds`` each row also counts its episodes
 by why they failed, for a task whose registry entry sorts them (``Task.episode_kinds``;
 PickPlaceCan: never lifted, not released, fallen over, released upright elsewhere,
-:mod:`torchrl_flowpolicy.envs.can_outcomes`). Every evaluation uses the same states and the
+:mod:`torchrl_flowpolicy.tasks.robosuite.can_outcomes`). Every evaluation uses the same states and the
 same initial noise (paired). Prints one line per evaluation with its Wilson 95 % interval and writes
 them, with the per-episode successes, to ``output_json``. With ``--baseline`` (a pretrained
 checkpoint) every checkpoint is also compared with it under the evaluation protocol
-(``torchrl_flowpolicy.protocol.protocol_summary``): both decodings of each, the expert on the
+(``torchrl_flowpolicy.training.protocol.protocol_summary``): both decodings of each, the expert on the
 same states, the paired differences to the baseline's best decoding and to the expert; this
 is the command behind the held-out numbers of ``docs/results.md``.
 
 With ``--video_episodes N`` it also records the split's first ``N`` episodes of every
 checkpoint, at every scale, and of the expert with ``--expert``, to one video each in
-``video_dir`` (:func:`~torchrl_flowpolicy.video.record_episodes`: rendered offscreen, so run
+``video_dir`` (:func:`~torchrl_flowpolicy.training.video.record_episodes`: rendered offscreen, so run
 with ``MUJOCO_GL=egl``; the episodes side by side, outlined green or red by success once they
 end). The video runs its own ``N``-episode evaluation on the same reset seeds: under scale 0
 and for the expert its episodes are exactly the evaluation's first ``N``; under a sampled
@@ -64,28 +64,33 @@ from torchrl.modules import RandomPolicy
 from tqdm import tqdm
 
 from torchrl_flowpolicy.dsrl import NoiseActionTransform
-from torchrl_flowpolicy.envs import TASKS, get_task
-from torchrl_flowpolicy.envs.tasks import script_defaults
-from torchrl_flowpolicy.evaluation import evaluate_decodings, evaluate_episodes
-from torchrl_flowpolicy.models import SavedPolicy, load_policy_checkpoint
-from torchrl_flowpolicy.protocol import (
+from torchrl_flowpolicy.tasks import TASKS, get_task
+from torchrl_flowpolicy.tasks.registry import script_defaults
+from torchrl_flowpolicy.training.evaluation import evaluate_decodings, evaluate_episodes
+from torchrl_flowpolicy.training.models import SavedPolicy, load_policy_checkpoint
+from torchrl_flowpolicy.training.protocol import (
     SPLIT_SIZE,
     format_protocol,
     protocol_summary,
     split_seed,
 )
-from torchrl_flowpolicy.reports import (
+from torchrl_flowpolicy.training.reports import (
     decisions_per_episode,
     evaluate_task_expert,
     make_eval_env,
     outcome_summary,
     task_options,
 )
-from torchrl_flowpolicy.run_checks import check_input_file, check_not_an_input, check_output_file
-from torchrl_flowpolicy.runs import write_json
-from torchrl_flowpolicy.video import collect_frames, make_render_env, record_episodes
+from torchrl_flowpolicy.training.run_checks import (
+    check_input_file,
+    check_not_an_input,
+    check_output_file,
+)
+from torchrl_flowpolicy.training.runs import write_json
+from torchrl_flowpolicy.training.video import collect_frames, make_render_env, record_episodes
 
-from common import TaskOptions, option, parse_config, split_list, validate_config
+from common import TaskOptions, option, parse_config, split_list
+from run_settings import validate_config
 
 
 @dataclass
@@ -275,7 +280,7 @@ def report_row(
     kind_names: tuple[str, ...] = (),
     **row: object,
 ) -> dict:
-    """One evaluation's row (:func:`~torchrl_flowpolicy.reports.outcome_summary` and the
+    """One evaluation's row (:func:`~torchrl_flowpolicy.training.reports.outcome_summary` and the
     per-episode successes; with a ``"kind"`` entry, indices into ``kind_names``, the episodes'
     kinds and lengths too), printed as ``label``; ``row`` adds columns."""
     result = outcome_summary(outcomes)

@@ -18,7 +18,7 @@ Top to bottom: config -> demonstrations -> actor and critic (the reference
 ``ppo_mujoco.py`` networks: 2 x 64 Tanh MLPs, a state-independent scale, a fixed
 observation normaliser from the demonstrations) -> behaviour cloning (the TanhNormal
 log-likelihood of the demonstration actions, loc and scale together,
-``torchrl_flowpolicy.gaussian_baseline``) -> ``ClipPPOLoss`` with GAE, one Adam -> collector
+``torchrl_flowpolicy.training.gaussian_baseline``) -> ``ClipPPOLoss`` with GAE, one Adam -> collector
 (this process, or ``--collector_workers N`` processes as in ``examples/ppo.py``) -> loop
 (critic warm-up first, evaluation on the curve seeds) -> held-out protocol -> plot,
 ``summary.json`` and ``checkpoint.pt`` (the actor's and critic's weights, the optimiser, the
@@ -46,21 +46,27 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacem
 from torchrl.objectives import ClipPPOLoss, ValueEstimators
 from tqdm import tqdm
 
-from torchrl_flowpolicy import collectors, episodes, reports, runs
-from torchrl_flowpolicy.envs import TASKS, get_task, load_or_collect_demos
-from torchrl_flowpolicy.gaussian_baseline import (
+from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.tasks import TASKS, get_task, load_or_collect_demos
+from torchrl_flowpolicy.training import collectors, episodes, reports, runs
+from torchrl_flowpolicy.training.gaussian_baseline import (
     behaviour_clone,
     demonstration_log_likelihood,
     make_gaussian_actor,
     make_value_network,
 )
-from torchrl_flowpolicy.loggers import MetricLogger, MetricWindow
-from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.protocol import SPLIT_SIZE
-from torchrl_flowpolicy.run_checks import check_output_dir
+from torchrl_flowpolicy.training.loggers import (
+    LOGGERS,
+    MetricLogger,
+    MetricWindow,
+    unknown_loggers,
+)
+from torchrl_flowpolicy.training.protocol import SPLIT_SIZE
+from torchrl_flowpolicy.training.run_checks import check_output_dir
 
 import pretrain
-from common import LOGGERS, TaskOptions, option, parse_config, split_list, validate_config
+from common import TaskOptions, option, parse_config
+from run_settings import validate_config
 
 # The actor acts once per env step: the task environment with one-step chunks.
 EXECUTED_CHUNK_LENGTH = 1
@@ -174,7 +180,7 @@ def check_config(config: GaussianPPOConfig) -> torch.device:
     """Refuse, before any work, options out of bounds, an unknown logger and an output folder
     holding another run's results; returns the run's device."""
     validate_config(config)
-    unknown = [name for name in split_list(config.loggers, "--loggers") if name not in LOGGERS]
+    unknown = unknown_loggers(config.loggers)
     if unknown:
         raise ValueError(f"--loggers {config.loggers}: {unknown} not among {list(LOGGERS)}.")
     if config.num_envs % config.collector_workers:

@@ -58,10 +58,7 @@ from torchrl.envs import Transform  # noqa: E402
 from torchrl.envs.utils import ExplorationType, set_exploration_type  # noqa: E402
 from torchrl.objectives import ValueEstimators  # noqa: E402
 
-from torchrl_flowpolicy.collectors import make_task_env  # noqa: E402
-from torchrl_flowpolicy.data import make_chunk_dataset  # noqa: E402
-from torchrl_flowpolicy.envs import decision_discount, get_task  # noqa: E402
-from torchrl_flowpolicy.episodes import episode_success_flags  # noqa: E402
+from torchrl_flowpolicy.envs import decision_discount  # noqa: E402
 from torchrl_flowpolicy.integrations.lerobot import flow_policy_from_lerobot  # noqa: E402
 from torchrl_flowpolicy.integrations.lerobot_models import (  # noqa: E402
     ModelSizes,
@@ -69,15 +66,19 @@ from torchrl_flowpolicy.integrations.lerobot_models import (  # noqa: E402
     random_lerobot_policy,
 )
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss  # noqa: E402
-from torchrl_flowpolicy.protocol import training_seed  # noqa: E402
-from torchrl_flowpolicy.reports import (  # noqa: E402
+from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
+from torchrl_flowpolicy.tasks import get_task  # noqa: E402
+from torchrl_flowpolicy.training.collectors import make_task_env  # noqa: E402
+from torchrl_flowpolicy.training.data import make_chunk_dataset  # noqa: E402
+from torchrl_flowpolicy.training.episodes import episode_success_flags  # noqa: E402
+from torchrl_flowpolicy.training.protocol import training_seed  # noqa: E402
+from torchrl_flowpolicy.training.reports import (  # noqa: E402
     decisions_per_episode,
     held_out_protocol,
     task_options,
 )
-from torchrl_flowpolicy.run_checks import check_output_dir  # noqa: E402
-from torchrl_flowpolicy.runs import write_json  # noqa: E402
-from torchrl_flowpolicy.sampler import SamplerOptions  # noqa: E402
+from torchrl_flowpolicy.training.run_checks import check_output_dir  # noqa: E402
+from torchrl_flowpolicy.training.runs import write_json  # noqa: E402
 
 from common import TaskOptions, option, parse_config  # noqa: E402
 

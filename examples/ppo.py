@@ -33,24 +33,17 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import ReplayBuffer
 from tqdm import tqdm
 
-from torchrl_flowpolicy import (
-    SamplerOptions,
-    collectors,
-    distributed,
-    episodes,
-    models,
-    reports,
-    runs,
-)
-from torchrl_flowpolicy.envs import get_task
-from torchrl_flowpolicy.evaluation import decoding_label
-from torchrl_flowpolicy.loggers import MetricLogger, MetricWindow
-from torchrl_flowpolicy.protocol import SPLIT_SIZE
-from torchrl_flowpolicy.run_checks import weights_digest
+from torchrl_flowpolicy import SamplerOptions
+from torchrl_flowpolicy.tasks import get_task
+from torchrl_flowpolicy.training import collectors, distributed, episodes, models, reports, runs
+from torchrl_flowpolicy.training.evaluation import decoding_label
+from torchrl_flowpolicy.training.loggers import MetricLogger, MetricWindow
+from torchrl_flowpolicy.training.protocol import SPLIT_SIZE
+from torchrl_flowpolicy.training.run_checks import weights_digest
 
 import pretrain
 import run_settings
-from common import TaskOptions, check_run_config, option
+from common import TaskOptions, option
 from ppo_learner import Learner, make_learner, make_replay_buffer, save_ppo_run
 
 # What the options of the noise head require: refused with --noise fixed (nothing reads them).
@@ -194,10 +187,10 @@ def collector_options(
 
 
 def check_config(config: PPOConfig, world_size: int) -> torch.device:
-    """Refuse, before any work, what the run could not do (:func:`~common.check_run_config`,
+    """Refuse, before any work, what the run could not do (:func:`~run_settings.check_run_config`,
     and Ray: under ``torchrun``, ``ValueError``; not installed, ``ImportError``); returns the
     run's device."""
-    device = check_run_config(config)
+    device = run_settings.check_run_config(config)
     if config.collector_backend == "ray" and world_size > 1:
         raise ValueError(
             "--collector_backend ray under torchrun is not supported: use one learner process "

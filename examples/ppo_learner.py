@@ -14,9 +14,10 @@ from tensordict.nn import TensorDictModule
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
 from torchrl.objectives import ValueEstimators
 
-from torchrl_flowpolicy import FlowSDEPolicy, models, runs
+from torchrl_flowpolicy import FlowSDEPolicy
 from torchrl_flowpolicy.envs import decision_discount
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
+from torchrl_flowpolicy.training import models, runs
 
 # ----------------------------------------------------------------------------- policy, critic, loss
 
@@ -35,7 +36,7 @@ class Learner:
     def set_actor_rates(self, env_steps: int, config: Any) -> None:
         """The actor's learning rates for the batch collected after ``env_steps``: the
         options' rates (not a resumed optimiser's) times
-        :func:`~torchrl_flowpolicy.runs.learning_rate_factor`."""
+        :func:`~torchrl_flowpolicy.training.runs.learning_rate_factor`."""
         factor = runs.learning_rate_factor(
             env_steps, config.total_env_steps, config.actor_learning_rate_decay_env_steps
         )
@@ -100,7 +101,7 @@ def save_ppo_run(
     """The run checkpoint ``--resume`` reads (what the learner trains, the progress, the
     advantage and ``start``: the seed and the pretrained weights' digest), from which
     ``load_policy`` also rebuilds the fine-tuned policy
-    (:func:`~torchrl_flowpolicy.models.save_policy_run`, which records the sampler settings
+    (:func:`~torchrl_flowpolicy.training.models.save_policy_run`, which records the sampler settings
     and the noise)."""
     progress = {"task": config.task, "advantage": config.advantage, **(start or {})}
     progress |= run.state()

@@ -22,12 +22,16 @@ import torch
 from tensordict import TensorDictBase
 from tqdm import tqdm
 
-from torchrl_flowpolicy import FlowSDEPolicy, distributed
-from torchrl_flowpolicy.data import make_chunk_dataset
-from torchrl_flowpolicy.envs import get_task, load_or_collect_demos
-from torchrl_flowpolicy.envs.tasks import script_defaults
-from torchrl_flowpolicy.evaluation import evaluate_policy
-from torchrl_flowpolicy.models import (
+from torchrl_flowpolicy import FlowSDEPolicy
+from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.objectives import FlowMatchingLoss
+from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.tasks import get_task, load_or_collect_demos
+from torchrl_flowpolicy.tasks.registry import script_defaults
+from torchrl_flowpolicy.training import distributed
+from torchrl_flowpolicy.training.data import make_chunk_dataset
+from torchrl_flowpolicy.training.evaluation import evaluate_policy
+from torchrl_flowpolicy.training.models import (
     TASK_MODEL_FIELDS,
     ModelConfig,
     SavedPolicy,
@@ -35,14 +39,12 @@ from torchrl_flowpolicy.models import (
     load_policy_checkpoint,
     save_policy,
 )
-from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.objectives import FlowMatchingLoss
-from torchrl_flowpolicy.reports import decisions_per_episode, make_eval_env, task_options
-from torchrl_flowpolicy.run_checks import check_output_dir
-from torchrl_flowpolicy.runs import write_json
-from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.training.reports import decisions_per_episode, make_eval_env, task_options
+from torchrl_flowpolicy.training.run_checks import check_output_dir
+from torchrl_flowpolicy.training.runs import write_json
 
-from common import Config, TaskOptions, option, parse_config, validate_config
+from common import Config, TaskOptions, option, parse_config
+from run_settings import validate_config
 
 
 @dataclass
@@ -175,8 +177,9 @@ def parse_run_args(
 ) -> Config:
     """The command line of a fine-tuning script (``--help``) as its ``config_class``:
     :func:`~common.parse_config` with the task's defaults for ``script``
-    (:func:`~torchrl_flowpolicy.envs.tasks.script_defaults`, read from ``envs.tasks.TASKS``) and ``--quick``; the
-    pretraining options that :func:`config_for_run` takes from the run are left off."""
+    (:func:`~torchrl_flowpolicy.tasks.registry.script_defaults`, read from
+    ``tasks.registry.TASKS``) and ``--quick``; the pretraining options that
+    :func:`config_for_run` takes from the run are left off."""
     exclude = [f"pretrain.{name}" for name in (*RUN_SETTINGS, *EXCLUDE)]
     return parse_config(
         config_class,

@@ -41,12 +41,12 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from tqdm import tqdm
 
 from torchrl_flowpolicy import FlowSDEPolicy
-from torchrl_flowpolicy.checkpoint import atomic_write
 from torchrl_flowpolicy.envs import make_chunked_env
 from torchrl_flowpolicy.flow import sigma_grid, step_coefficients
 from torchrl_flowpolicy.networks import ActionExpertTransformer, ObservationEncoder
-from torchrl_flowpolicy.run_checks import check_output_dir
 from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.training.checkpoint import atomic_write
+from torchrl_flowpolicy.training.run_checks import check_output_dir
 
 from common import option, parse_config
 

@@ -1,4 +1,4 @@
-"""Why PickPlaceCan episodes fail: :mod:`torchrl_flowpolicy.envs.can_outcomes` on made-up
+"""Why PickPlaceCan episodes fail: :mod:`torchrl_flowpolicy.tasks.robosuite.can_outcomes` on made-up
 observations (each kind, the order of the checks, bad input) and on robosuite's own episodes
 (the scripted expert, an arm that holds still, an expert stopped while it carries the can)."""
 
@@ -14,14 +14,14 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from torchrl_flowpolicy.envs.can_outcomes import (
+from torchrl_flowpolicy.tasks.robosuite.can_outcomes import (
     CAN_OUTCOMES,
     can_rollout_outcomes,
     classify_can_episodes,
     distance_to_placement_edge,
 )
-from torchrl_flowpolicy.envs.robosuite_layout import OBSERVATION_SLICES
-from torchrl_flowpolicy.statistics import paired_bootstrap_interval
+from torchrl_flowpolicy.tasks.robosuite.layout import OBSERVATION_SLICES
+from torchrl_flowpolicy.training.statistics import paired_bootstrap_interval
 
 CAN = OBSERVATION_SLICES["PickPlaceCan"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,8 +96,8 @@ def can_episodes(policy_for, steps: int) -> list[str]:
     """Two PickPlaceCan episodes (validation reset seeds 20000-20001, one action per step,
     ``steps`` steps at most), sorted by kind."""
     pytest.importorskip("robosuite")
-    from torchrl_flowpolicy.envs.tasks import get_task
-    from torchrl_flowpolicy.evaluation import evaluate_episodes
+    from torchrl_flowpolicy.tasks.registry import get_task
+    from torchrl_flowpolicy.training.evaluation import evaluate_episodes
 
     task = get_task("can")
     assert task.episode_kinds.names == CAN_OUTCOMES  # what evaluate.py --failure_kinds reads
@@ -118,7 +118,7 @@ def can_episodes(policy_for, steps: int) -> list[str]:
 
 @pytest.mark.slow
 def test_robosuite_episodes_of_each_kind():
-    from torchrl_flowpolicy.envs.tasks import get_task
+    from torchrl_flowpolicy.tasks.registry import get_task
 
     def expert(env):
         return get_task("can").make_expert(env)

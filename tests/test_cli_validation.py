@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from examples_loader import load_example
 
-from torchrl_flowpolicy import reports
-from torchrl_flowpolicy.envs import tasks
-from torchrl_flowpolicy.models import ModelConfig, build_policy, save_policy
-from torchrl_flowpolicy.runs import IMPLIED_IDENTITY, load_run, run_identity, save_run
+from torchrl_flowpolicy.tasks import script_defaults
+from torchrl_flowpolicy.training import reports
+from torchrl_flowpolicy.training.models import ModelConfig, build_policy, save_policy
+from torchrl_flowpolicy.training.runs import IMPLIED_IDENTITY, load_run, run_identity, save_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -418,7 +418,7 @@ def test_robosuite_defaults_are_the_fine_tuning_recipes(example):
     ppo = example("ppo")
     pretrain = example("pretrain")
     common = example("common")
-    parse_config, script_defaults = common.parse_config, tasks.script_defaults
+    parse_config = common.parse_config
 
     config = ppo.parse_args(["--task", "lift"])
     recipe = (48, 360, 1.0, 1e-4, 600_000, 200, 25, 0.3)

@@ -3,10 +3,10 @@ process on the whole batch.
 
 The slow test launches this file with ``torchrun --standalone --nproc_per_node 2`` (gloo on
 the CPU): each rank computes the loss and its gradient on its half of a fixed batch, averages
-the gradients with :func:`~torchrl_flowpolicy.distributed.average_gradients` and takes three
+the gradients with :func:`~torchrl_flowpolicy.training.distributed.average_gradients` and takes three
 clipped Adam steps, as ``examples/ppo.py`` does. The test compares what the ranks wrote with
 one process on the union of their halves. ``normalize_advantage=False``: with it, each rank
-would standardise its own half (see ``torchrl_flowpolicy.distributed``).
+would standardise its own half (see ``torchrl_flowpolicy.training.distributed``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ from torch import Tensor, nn
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from torchrl_flowpolicy import FlowSDEPolicy
-from torchrl_flowpolicy.distributed import (
+from torchrl_flowpolicy.networks import MLPVelocityNetwork
+from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
+from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.training.distributed import (
     average_gradients,
     barrier,
     broadcast_parameters,
@@ -33,9 +36,6 @@ from torchrl_flowpolicy.distributed import (
     is_main_process,
     sum_over_processes,
 )
-from torchrl_flowpolicy.networks import MLPVelocityNetwork
-from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
-from torchrl_flowpolicy.sampler import SamplerOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 OBSERVATION_DIM = 5

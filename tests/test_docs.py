@@ -101,3 +101,51 @@ def test_ppo_page_lists_every_option_with_its_default(example, capsys):
             assert shown is not None and shown.group(1) == default, flag
         if quick:
             assert ppo.QUICK[flag.removeprefix("--")] == type(ppo.QUICK[flag[2:]])(quick), flag
+
+
+#: The manual's pages stay short; the API reference and the experiments (the record of every
+#: run) may be as long as they need.
+MAX_PAGE_LINES = 300
+LONG_SECTIONS = ("api", "experiments")
+
+
+def test_manual_pages_are_at_most_300_lines():
+    pages = [
+        path for path in DOCS.rglob("*.md") if path.relative_to(DOCS).parts[0] not in LONG_SECTIONS
+    ]
+    assert len(pages) > 10, pages
+    long_pages = {
+        str(path.relative_to(ROOT)): count
+        for path in pages
+        if (count := len(path.read_text().splitlines())) > MAX_PAGE_LINES
+    }
+    assert not long_pages, (
+        f"over {MAX_PAGE_LINES} lines (history goes to docs/experiments/): {long_pages}"
+    )
+
+
+def test_readme_first_code_block_starts_within_its_first_40_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    first = next(index for index, line in enumerate(lines, start=1) if line.startswith("```"))
+    assert first <= 40, f"README.md's first code block starts on line {first}"
+
+
+def test_every_result_in_the_results_tables_links_to_its_experiment():
+    """A table cell of docs/results.md that states a rate or a count of env steps does so inside
+    a link to the experiment page (and section) that measured it."""
+    page = (DOCS / "results.md").read_text()
+    text_outside_code = re.sub(r"^```.*?^```", "", page, flags=re.MULTILINE | re.DOTALL)
+    rows = [line for line in text_outside_code.splitlines() if line.startswith("| ")]
+    assert len(rows) > 20, "docs/results.md has lost its tables"
+    link = re.compile(r"\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\(([^)]+)\)")
+    unlinked, targets = [], set()
+    for row in rows:
+        targets.update(match[2] for match in link.finditer(row))
+        for cell in row.strip("|").split("|")[1:]:  # the first cell names the row
+            bare = link.sub("", cell)
+            if re.search(r"\d %|\d+(\.\d+)?[kM]\b|\d,\d{3}", bare):
+                unlinked.append(cell.strip())
+    assert not unlinked, f"numbers without a link to their experiment: {unlinked}"
+    assert targets and all(target.startswith("experiments/") for target in targets), targets
+    for target in targets:
+        assert (DOCS / target.split("#")[0]).is_file(), target

@@ -10,7 +10,8 @@ rollouts under ``set_exploration_type(ExplorationType.DETERMINISTIC)``.
 
 ``run_ppo`` below rebuilds that loop in this repository's code on HalfCheetah-v5, with
 ``FlowSDEPolicy`` in place of the ``ProbabilisticActor`` and ``DenoisingClipPPOLoss`` in place
-of ``ClipPPOLoss`` (the lines a user changes, ``docs/dropin.md``), at a tiny budget:
+of ``ClipPPOLoss`` (the lines a user changes, ``docs/dropin.md`` and
+``docs/dropin_pretrained.md``), at a tiny budget:
 
 * ``H = 1``: a single-step policy (``action_shape=(D,)``) on the unwrapped environment plus
   ``ClampAction``; with and without ``compile_policy`` (eager backend: inductor would spend
@@ -21,7 +22,8 @@ of ``ClipPPOLoss`` (the lines a user changes, ``docs/dropin.md``), at a tiny bud
 The simulator's side is observed directly: a gymnasium wrapper records every action MuJoCo
 receives, so the test can compare the executed actions with the stored (unclamped) ones.
 
-The recipes of ``docs/dropin.md`` are patches of TorchRL's script; the script is not in this
+The recipes of ``docs/dropin.md`` (the first two) and ``docs/dropin_pretrained.md`` (the third)
+are patches of TorchRL's script; the script is not in this
 repository, so their structure is tested on the lines they add (read from the page and run
 here): the budgets converted once, the chunked training and evaluation environments, the
 environment-step counter, and the pretrained start (``load_policy``, the critic, the two
@@ -84,6 +86,12 @@ NUM_STEPS = 4  # K
 LR, CLIP_EPSILON, GAMMA, GAE_LAMBDA = 3e-4, 0.2, 0.99, 0.95
 CHAIN, STEP_LOG_PROB = ("flow", "chain"), ("flow", "step_log_prob")
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "dropin.md"
+#: The page of each recipe's patch: the first two on ``PAGE``, the pretrained one on its own.
+RECIPE_PAGES = {
+    "one_action_per_step": PAGE,
+    "chunks": PAGE,
+    "pretrained": PAGE.with_name("dropin_pretrained.md"),
+}
 PATCH_BLOCK = re.compile(r"<!-- patch: (\w+) -->\n```diff\n(.*?)^```", re.MULTILINE | re.DOTALL)
 RECIPES = ("one_action_per_step", "chunks", "pretrained")
 #: The page's threshold of the first minibatch's relative drift (float32 rounding).
@@ -91,9 +99,11 @@ RELATIVE_DRIFT_THRESHOLD = 1e-5
 
 
 def page_hunks(recipe: str, file: str) -> list[list[str]]:
-    """The hunks of ``docs/dropin.md``'s patch ``recipe`` for ``file``, each as its lines."""
-    patches = dict(PATCH_BLOCK.findall(PAGE.read_text()))
-    assert recipe in patches, f"docs/dropin.md has no patch {recipe!r} (has {sorted(patches)})"
+    """The hunks of the patch ``recipe`` (on its page, ``RECIPE_PAGES``) for ``file``, each as
+    its lines."""
+    page = RECIPE_PAGES[recipe]
+    patches = dict(PATCH_BLOCK.findall(page.read_text()))
+    assert recipe in patches, f"docs/{page.name} has no patch {recipe!r} (has {sorted(patches)})"
     hunks, current_file = [], None
     for line in patches[recipe].splitlines():
         if line.startswith("+++ "):
@@ -102,7 +112,7 @@ def page_hunks(recipe: str, file: str) -> list[list[str]]:
             hunks.append([])
         elif hunks and current_file == file and line[:1] in "+-":
             hunks[-1].append(line)
-    assert hunks, f"the patch {recipe!r} of docs/dropin.md does not change {file}"
+    assert hunks, f"the patch {recipe!r} of docs/{page.name} does not change {file}"
     return hunks
 
 
@@ -120,7 +130,8 @@ def added_code(recipe: str, file: str, containing: str) -> str:
 
 def run_page_code(recipe: str, file: str, containing: str, **names) -> dict:
     """Run the page's added lines (:func:`added_code`) with ``names``; the names after."""
-    exec(compile(added_code(recipe, file, containing), f"docs/dropin.md ({recipe})", "exec"), names)
+    source = f"docs/{RECIPE_PAGES[recipe].name} ({recipe})"
+    exec(compile(added_code(recipe, file, containing), source, "exec"), names)
     return names
 
 
@@ -546,14 +557,14 @@ def page_config_values(recipe: str) -> dict[str, float]:
 
 
 def test_pretrained_start_through_load_policy_into_a_collector_and_the_loss(tmp_path):
-    from torchrl_flowpolicy.envs.pusher import make_pusher_env
-    from torchrl_flowpolicy.models import (
+    from torchrl_flowpolicy.networks import ObservationNormalizer
+    from torchrl_flowpolicy.tasks.pusher.env import make_pusher_env
+    from torchrl_flowpolicy.training.models import (
         ModelConfig,
         build_policy,
         build_value_network,
         save_policy,
     )
-    from torchrl_flowpolicy.networks import ObservationNormalizer
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -580,7 +591,7 @@ def test_pretrained_start_through_load_policy_into_a_collector_and_the_loss(tmp_
     assert removed[0] in budgets.splitlines()
     code = budgets.replace(removed[0], added_code("pretrained", "ppo_mujoco.py", "load_policy("))
     names = {"cfg": cfg, "device": "cpu", "load_policy": load_policy}
-    exec(compile(code, "docs/dropin.md (pretrained)", "exec"), names)
+    exec(compile(code, "docs/dropin_pretrained.md (pretrained)", "exec"), names)
     actor, executed_chunk_length = names["actor"], names["H_exec"]
     assert executed_chunk_length == model.executed_chunk_length == 4
     assert cfg.collector.frames_per_batch == 16 and cfg.loss.mini_batch_size == 8

@@ -38,9 +38,9 @@ from torchrl_flowpolicy.dsrl import (
 )
 from torchrl_flowpolicy.envs import make_chunked_env
 from torchrl_flowpolicy.envs.batched import BatchedGymEnv
-from torchrl_flowpolicy.envs.pusher import PusherTask
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
 from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.tasks.pusher.env import PusherTask
 
 ROOT = Path(__file__).resolve().parents[1]
 OBSERVATION_DIM = 23

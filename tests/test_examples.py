@@ -20,9 +20,10 @@ import torch
 from examples_loader import load_example
 
 from torchrl_flowpolicy import SamplerOptions
-from torchrl_flowpolicy.checkpoint import save_checkpoint
-from torchrl_flowpolicy.loggers import MetricLogger
-from torchrl_flowpolicy.models import (
+from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.training.checkpoint import save_checkpoint
+from torchrl_flowpolicy.training.loggers import MetricLogger
+from torchrl_flowpolicy.training.models import (
     ModelConfig,
     build_noise_head,
     build_policy,
@@ -30,8 +31,7 @@ from torchrl_flowpolicy.models import (
     noise_record,
     save_policy,
 )
-from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.runs import (
+from torchrl_flowpolicy.training.runs import (
     RunProgress,
     load_run,
     restore_random_state,
@@ -569,3 +569,22 @@ def test_the_pretraining_parity_check_compares_k20_with_the_runs_rollout_steps()
     assert pretrain.config_for_run(ppo.parse_args([])).rollout_denoising_steps == 4
     default = pretrain.PretrainConfig().rollout_denoising_steps
     assert pretrain.config_for_run(dsrl.parse_args([])).rollout_denoising_steps == default
+
+
+def test_compare_runs_diagnostics_read_the_runs_csv_log(tmp_path):
+    compare = load_example("compare_runs")
+    scalars = tmp_path / "run" / "csv" / "ppo_seed0" / "scalars"
+    scalars.mkdir(parents=True)
+    (scalars / "clip_fraction.csv").write_text("4800,0.1\n9600,0.3\n14400,0.5\n")
+    (scalars / "kl_approx.csv").write_text("4800,0.02\n9600,0.04\n")
+    summary = {"config": {"output_dir": str(tmp_path / "run")}, "wall_seconds": 90.0}
+    assert compare.logged_mean(summary, "clip_fraction") == pytest.approx(0.3)
+    assert compare.logged_mean(summary, "kl_approx") == pytest.approx(0.03)
+    assert compare.diagnostics_cells(summary) == " 0.300 | 0.0300 | 1.5 |"
+    # A run that logged no CSV gets "n/a", not a number.
+    unlogged = {"config": {"output_dir": str(tmp_path / "other")}, "wall_seconds": 60.0}
+    assert compare.logged_mean(unlogged, "clip_fraction") is None
+    assert compare.diagnostics_cells(unlogged) == " n/a | n/a | 1.0 |"
+    # --diagnostics needs the held-out table it adds columns to.
+    config = compare.CompareConfig(runs=["a=x.json"], output="o.png", diagnostics=True)
+    assert config.option_conflicts() == ["--diagnostics: only with --held_out"]

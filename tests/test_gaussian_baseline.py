@@ -14,7 +14,7 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import ClipPPOLoss
 
-from torchrl_flowpolicy.gaussian_baseline import (
+from torchrl_flowpolicy.training.gaussian_baseline import (
     behaviour_clone,
     clamp_inside,
     demonstration_log_likelihood,

@@ -11,12 +11,12 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions
-from torchrl_flowpolicy.checkpoint import load_checkpoint
-from torchrl_flowpolicy.collectors import first_reset_seed, make_collector, seed_batch
-from torchrl_flowpolicy.episodes import group_relative_episodes, group_statistics
-from torchrl_flowpolicy.models import ModelConfig, build_policy
 from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.runs import RunProgress, load_run, resume_run, run_identity
+from torchrl_flowpolicy.training.checkpoint import load_checkpoint
+from torchrl_flowpolicy.training.collectors import first_reset_seed, make_collector, seed_batch
+from torchrl_flowpolicy.training.episodes import group_relative_episodes, group_statistics
+from torchrl_flowpolicy.training.models import ModelConfig, build_policy
+from torchrl_flowpolicy.training.runs import RunProgress, load_run, resume_run, run_identity
 
 CHUNK_LENGTH, EXECUTED = 4, 2
 MAX_EPISODE_STEPS = 6  # 3 decisions of 2 steps

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchrl_flowpolicy.checkpoint import load_checkpoint
+from torchrl_flowpolicy.training.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVIRONMENT = {**os.environ, "WANDB_MODE": "offline", "MUJOCO_GL": "egl", "OMP_NUM_THREADS": "1"}

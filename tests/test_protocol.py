@@ -15,22 +15,23 @@ from tensordict.nn import TensorDictModuleBase
 from torchrl.envs.utils import ExplorationType, exploration_type
 
 from torchrl_flowpolicy import FlowSDEPolicy
-from torchrl_flowpolicy.envs import (
+from torchrl_flowpolicy.networks import MLPVelocityNetwork
+from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.tasks import (
     PusherExpert,
     PusherExpertPolicy,
     collect_demos,
     is_success,
     make_pusher_env,
 )
-from torchrl_flowpolicy.evaluation import (
+from torchrl_flowpolicy.training.evaluation import (
     DECODINGS,
     decoding,
     decoding_label,
     evaluate_decodings,
     evaluate_episodes,
 )
-from torchrl_flowpolicy.networks import MLPVelocityNetwork
-from torchrl_flowpolicy.protocol import (
+from torchrl_flowpolicy.training.protocol import (
     CURVE_SEED,
     HELD_OUT_SEED,
     SPLIT_SEEDS,
@@ -42,8 +43,7 @@ from torchrl_flowpolicy.protocol import (
     split_seed,
     training_seed,
 )
-from torchrl_flowpolicy.sampler import SamplerOptions
-from torchrl_flowpolicy.statistics import paired_bootstrap_interval, wilson_interval
+from torchrl_flowpolicy.training.statistics import paired_bootstrap_interval, wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def test_training_and_demonstration_seeds_stay_outside_every_split():
 
 def test_only_the_protocol_helper_uses_the_held_out_split():
     sources = {path.name: path.read_text() for path in (ROOT / "examples").glob("*.py")}
-    sources["reports.py"] = (ROOT / "torchrl_flowpolicy" / "reports.py").read_text()
+    sources["reports.py"] = (ROOT / "torchrl_flowpolicy" / "training" / "reports.py").read_text()
     uses = {
         name: len(re.findall(r"split_seed\(\s*\"held_out\"", text))
         for name, text in sources.items()
@@ -301,7 +301,7 @@ def test_summary_rejects_unpaired_evaluations_and_unknown_decodings():
 
 # ----------------------------------------------------------------------------- examples
 def test_examples_protocol_helpers_leave_the_random_stream_alone(example):
-    from torchrl_flowpolicy.reports import curve_baselines, held_out_protocol
+    from torchrl_flowpolicy.training.reports import curve_baselines, held_out_protocol
 
     config = example("ppo").PPOConfig(
         max_episode_steps=8, eval_episodes=2, held_out_episodes=3, reported_decoding="noise_free"

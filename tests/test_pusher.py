@@ -1,8 +1,8 @@
 """The default task: success criterion, scripted expert, TorchRL env and cached demos.
 
-Covers :mod:`torchrl_flowpolicy.envs.pusher`, :mod:`~torchrl_flowpolicy.envs.pusher_expert`
-and :mod:`~torchrl_flowpolicy.envs.demonstrations` (with
-:mod:`~torchrl_flowpolicy.envs.pusher_demos`).
+Covers :mod:`torchrl_flowpolicy.tasks.pusher.env`, :mod:`~torchrl_flowpolicy.tasks.pusher.expert`
+and :mod:`~torchrl_flowpolicy.tasks.demonstrations` (with
+:mod:`~torchrl_flowpolicy.tasks.pusher.demos`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from torchrl.envs import Compose, DoubleToFloat, GymEnv, TransformedEnv
 from torchrl.envs.utils import check_env_specs
 
 from torchrl_flowpolicy.envs import BatchedGymEnv, make_chunked_env
-from torchrl_flowpolicy.envs.demonstrations import demos_path, load_or_collect_demos
-from torchrl_flowpolicy.envs.pusher import (
+from torchrl_flowpolicy.tasks.demonstrations import demos_path, load_or_collect_demos
+from torchrl_flowpolicy.tasks.pusher.demos import collect_demos
+from torchrl_flowpolicy.tasks.pusher.env import (
     DEFAULT_SUCCESS_THRESHOLD,
     PUSHER_ENV_ID,
     PusherTask,
@@ -25,8 +26,7 @@ from torchrl_flowpolicy.envs.pusher import (
     make_pusher_env,
     object_goal_distance,
 )
-from torchrl_flowpolicy.envs.pusher_demos import collect_demos
-from torchrl_flowpolicy.envs.pusher_expert import PusherExpert
+from torchrl_flowpolicy.tasks.pusher.expert import PusherExpert
 
 
 def synthetic_observation(object_xyz, goal_xyz, wrist_xyz=(0.0, 0.0, 0.0)) -> torch.Tensor:

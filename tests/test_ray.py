@@ -1,6 +1,6 @@
 """Ray collection (``examples/ppo.py --collector_backend ray``) on a local Ray instance.
 
-:func:`torchrl_flowpolicy.collectors.make_collector` with ``backend="ray"`` builds TorchRL's
+:func:`torchrl_flowpolicy.training.collectors.make_collector` with ``backend="ray"`` builds TorchRL's
 ``RayCollector``: one Ray
 actor per worker, each a ``Collector`` over ``num_envs / W`` seeded environments, given a
 CPU copy of the learner's policy. After that copy, the actors see only the weights that
@@ -23,14 +23,14 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_flowpolicy import FlowSDEPolicy
-from torchrl_flowpolicy.collectors import (
+from torchrl_flowpolicy.networks import MLPVelocityNetwork
+from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.training.collectors import (
     CollectorOptions,
     TaskEnvFactory,
     make_collector,
     seed_batch,
 )
-from torchrl_flowpolicy.networks import MLPVelocityNetwork
-from torchrl_flowpolicy.sampler import SamplerOptions
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install '.[ray]'")
 

@@ -24,11 +24,11 @@ from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from torchrl_flowpolicy import FlowSDEPolicy, flow
-from torchrl_flowpolicy.checkpoint import atomic_write, load_checkpoint, save_checkpoint
 from torchrl_flowpolicy.dsrl import NOISE_KEY, NoiseActionTransform, NoiseDecoder
 from torchrl_flowpolicy.networks import MLPVelocityNetwork
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
 from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.training.checkpoint import atomic_write, load_checkpoint, save_checkpoint
 
 OBSERVATION_DIM = 5
 ACTION_SHAPE = (4, 2)

@@ -1,11 +1,11 @@
 """robosuite Lift, PickPlaceCan and NutAssemblySquare: the gymnasium adapter, the TorchRL
 environments, the experts and their demos.
 
-Covers :mod:`torchrl_flowpolicy.envs.robosuite_tasks` (and its layout,
-:mod:`~torchrl_flowpolicy.envs.robosuite_layout`), the experts of
-:mod:`~torchrl_flowpolicy.envs.lift_expert`, :mod:`~torchrl_flowpolicy.envs.can_expert` and
-:mod:`~torchrl_flowpolicy.envs.square_expert`,
-and :mod:`~torchrl_flowpolicy.envs.robosuite_experts`. Skipped when robosuite is not installed.
+Covers :mod:`torchrl_flowpolicy.tasks.robosuite.env` (and its layout,
+:mod:`~torchrl_flowpolicy.tasks.robosuite.layout`), the experts of
+:mod:`~torchrl_flowpolicy.tasks.robosuite.lift_expert`, :mod:`~torchrl_flowpolicy.tasks.robosuite.can_expert` and
+:mod:`~torchrl_flowpolicy.tasks.robosuite.square_expert`,
+and :mod:`~torchrl_flowpolicy.tasks.robosuite.experts`. Skipped when robosuite is not installed.
 """
 
 from __future__ import annotations
@@ -27,14 +27,9 @@ pytest.importorskip("robosuite")
 from torchrl.envs.utils import check_env_specs  # noqa: E402
 
 from torchrl_flowpolicy.envs.batched import BatchedGymEnv  # noqa: E402
-from torchrl_flowpolicy.envs.can_expert import CAN_COMPARTMENT, CanExpert  # noqa: E402
-from torchrl_flowpolicy.envs.lift_expert import LiftExpert  # noqa: E402
-from torchrl_flowpolicy.envs.robosuite_experts import (  # noqa: E402
-    RobosuiteExpertPolicy,
-    collect_robosuite_demos,
-)
-from torchrl_flowpolicy.envs.robosuite_logging import LOG_LEVEL_VARIABLE  # noqa: E402
-from torchrl_flowpolicy.envs.robosuite_tasks import (  # noqa: E402
+from torchrl_flowpolicy.tasks.registry import get_task  # noqa: E402
+from torchrl_flowpolicy.tasks.robosuite.can_expert import CAN_COMPARTMENT, CanExpert  # noqa: E402
+from torchrl_flowpolicy.tasks.robosuite.env import (  # noqa: E402
     CAN_MAX_EPISODE_STEPS,
     DEFAULT_MAX_EPISODE_STEPS,
     OBSERVATION_SLICES,
@@ -42,13 +37,18 @@ from torchrl_flowpolicy.envs.robosuite_tasks import (  # noqa: E402
     RobosuiteGymEnv,
     make_robosuite_env,
 )
-from torchrl_flowpolicy.envs.square_expert import (  # noqa: E402
+from torchrl_flowpolicy.tasks.robosuite.experts import (  # noqa: E402
+    RobosuiteExpertPolicy,
+    collect_robosuite_demos,
+)
+from torchrl_flowpolicy.tasks.robosuite.lift_expert import LiftExpert  # noqa: E402
+from torchrl_flowpolicy.tasks.robosuite.quiet_logging import LOG_LEVEL_VARIABLE  # noqa: E402
+from torchrl_flowpolicy.tasks.robosuite.square_expert import (  # noqa: E402
     SQUARE_PEG_POSITION,
     SQUARE_TABLE_HEIGHT,
     SquareExpert,
 )
-from torchrl_flowpolicy.envs.tasks import get_task  # noqa: E402
-from torchrl_flowpolicy.protocol import evaluate_expert  # noqa: E402
+from torchrl_flowpolicy.training.protocol import evaluate_expert  # noqa: E402
 
 LIFT = OBSERVATION_SLICES["Lift"]
 CAN = OBSERVATION_SLICES["PickPlaceCan"]
@@ -593,7 +593,7 @@ def test_robosuite_logging_is_quiet_unless_asked_for(caplog, monkeypatch):
 def test_a_fresh_process_building_lift_envs_prints_nothing_of_robosuites():
     # robosuite's import warnings and its per-simulator line, in a process of its own.
     code = (
-        "from torchrl_flowpolicy.envs.robosuite_tasks import make_robosuite_env\n"
+        "from torchrl_flowpolicy.tasks.robosuite.env import make_robosuite_env\n"
         "make_robosuite_env(2).close()\n"
         "print('built')\n"
     )

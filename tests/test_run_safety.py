@@ -24,8 +24,9 @@ import torch
 from examples_loader import load_example
 from tensordict import TensorDict
 
-from torchrl_flowpolicy import reports, runs
-from torchrl_flowpolicy.models import (
+from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.training import reports, runs
+from torchrl_flowpolicy.training.models import (
     ModelConfig,
     build_noise_head,
     build_policy,
@@ -33,8 +34,7 @@ from torchrl_flowpolicy.models import (
     load_policy_checkpoint,
     save_policy,
 )
-from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.run_checks import weights_digest
+from torchrl_flowpolicy.training.run_checks import weights_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from torchrl_flowpolicy import SamplerOptions, load_policy
-from torchrl_flowpolicy.checkpoint import load_checkpoint, save_checkpoint
-from torchrl_flowpolicy.collectors import CollectorOptions, first_reset_seed
-from torchrl_flowpolicy.models import (
+from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.training.checkpoint import load_checkpoint, save_checkpoint
+from torchrl_flowpolicy.training.collectors import CollectorOptions, first_reset_seed
+from torchrl_flowpolicy.training.models import (
     ModelConfig,
     build_policy,
     load_policy_checkpoint,
     save_policy,
 )
-from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.protocol import training_seed
-from torchrl_flowpolicy.runs import RunProgress, learning_rate_factor
+from torchrl_flowpolicy.training.protocol import training_seed
+from torchrl_flowpolicy.training.runs import RunProgress, learning_rate_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLER = SamplerOptions(

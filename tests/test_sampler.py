@@ -3,6 +3,9 @@ and the network dtype; and of the flow math they rest on (masked Gaussian terms)
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -10,7 +13,7 @@ from torch import nn
 from torch.distributions import Normal
 
 from torchrl_flowpolicy import FlowSDEPolicy, flow
-from torchrl_flowpolicy.networks import MLPVelocityNetwork
+from torchrl_flowpolicy.networks import MLPVelocityNetwork, NoiseHead
 from torchrl_flowpolicy.objectives import DenoisingClipPPOLoss
 from torchrl_flowpolicy.objectives.surrogate import clipped_surrogate, ratio_diagnostics
 from torchrl_flowpolicy.sampler import FlowSampler, SamplerOptions
@@ -169,6 +172,57 @@ def test_policy_settings_read_and_set_through_the_sampler():
     assert "sampler.velocity_network.mlp.0.weight" in policy.state_dict()
     with pytest.raises(ValueError, match="a ready FlowSampler"):
         FlowSDEPolicy(make_sampler(), action_shape=CHUNK_SHAPE, options=SamplerOptions())
+
+
+#: Every setting, and the names two of them had before the settings were grouped.
+SETTINGS = [field.name for field in dataclasses.fields(SamplerOptions)]
+FORMER_NAMES = {"num_steps": "num_denoising_steps", "eval_num_steps": "eval_num_denoising_steps"}
+
+
+@pytest.mark.parametrize("name", [*SETTINGS, *FORMER_NAMES])
+def test_a_setting_set_as_an_attribute_is_refused_with_the_fix(name):
+    field = FORMER_NAMES.get(name, name)
+    sampler = make_sampler()
+    policy = FlowSDEPolicy(make_sampler(), action_shape=CHUNK_SHAPE)
+    for owner, module in (("sampler", sampler), ("policy", policy)):
+        before = module.options
+        fix = f"{owner}.options = {owner}.options.replace({field}=...)"
+        with pytest.raises(AttributeError, match=re.escape(fix)) as refused:
+            setattr(module, name, getattr(before, field))  # even a valid value
+        message = str(refused.value)
+        assert f"{owner}.{name} = ..." in message and "(a frozen SamplerOptions)" in message
+        if name in FORMER_NAMES:
+            assert f"{name!r} is the former name of the setting {field!r}" in message
+        assert module.options is before and name not in vars(module)
+
+
+def test_options_replaced_whole_are_still_set_and_checked():
+    policy = FlowSDEPolicy(make_sampler(), action_shape=CHUNK_SHAPE)
+    policy.options = dataclasses.replace(policy.options, eval_noise_scale=1.0)
+    assert policy.sampler.options.eval_noise_scale == 1.0
+    with pytest.raises(ValueError, match="noise_level"):
+        policy.options = policy.options.replace(noise_level=-1.0)
+    assert policy.options.noise_level == 0.5 and policy.options.eval_noise_scale == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.options.noise_level = 0.1  # the options themselves are frozen
+
+
+def test_attributes_that_are_not_settings_still_set():
+    sampler = make_sampler()
+    policy = FlowSDEPolicy(sampler, action_shape=CHUNK_SHAPE)
+    policy.in_keys = ["state"]
+    policy.note = "a user's own attribute"
+    policy.extra = nn.Linear(2, 2)  # a submodule, registered as one
+    policy.register_buffer("scale", torch.ones(1))
+    policy.scale = torch.zeros(1)  # a buffer, replaced
+    sampler.temperature = nn.Parameter(torch.ones(()))  # a parameter, registered as one
+    policy.noise_head = NoiseHead(OBSERVATION_DIM, CHUNK_SHAPE)  # through the sampler
+    assert policy.in_keys == ["state"] and policy.note == "a user's own attribute"
+    assert "extra.weight" in policy.state_dict() and torch.equal(policy.scale, torch.zeros(1))
+    assert "sampler.temperature" in dict(policy.named_parameters())
+    assert (
+        policy.sampler.noise_head is policy.noise_head and ("flow", "step_std") in policy.out_keys
+    )
 
 
 def test_a_checkpoint_of_the_networks_at_the_policy_root_loads():

@@ -30,17 +30,18 @@ from torchrl.collectors import MultiSyncCollector
 from torchrl.envs.utils import ExplorationType
 from torchrl.weight_update import MultiProcessWeightSyncScheme
 
-from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions, collectors
-from torchrl_flowpolicy.collectors import (
+from torchrl_flowpolicy import FlowSDEPolicy, SamplerOptions
+from torchrl_flowpolicy.networks import MLPVelocityNetwork, ObservationNormalizer
+from torchrl_flowpolicy.tasks import make_pusher_env
+from torchrl_flowpolicy.training import collectors
+from torchrl_flowpolicy.training.collectors import (
     CollectorOptions,
     first_reset_seed,
     make_collector,
     seed_batch,
 )
-from torchrl_flowpolicy.envs import make_pusher_env
-from torchrl_flowpolicy.models import ModelConfig, build_policy
-from torchrl_flowpolicy.networks import MLPVelocityNetwork, ObservationNormalizer
-from torchrl_flowpolicy.protocol import training_seed
+from torchrl_flowpolicy.training.models import ModelConfig, build_policy
+from torchrl_flowpolicy.training.protocol import training_seed
 
 CHUNK_LENGTH, ACTION_DIM, EXECUTED = 4, 7, 2
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from torchrl_flowpolicy.statistics import paired_bootstrap_interval, wilson_interval
+from torchrl_flowpolicy.training.statistics import paired_bootstrap_interval, wilson_interval
 
 
 @pytest.mark.parametrize(

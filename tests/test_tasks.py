@@ -1,8 +1,8 @@
 """The task registry: every task sets every field, callers read attributes instead of
 comparing names, default paths are per task, checkpoints carry their task.
 
-Covers :mod:`torchrl_flowpolicy.envs.tasks`, the task parts of
-:mod:`~torchrl_flowpolicy.envs.demonstrations` and :func:`~torchrl_flowpolicy.protocol.evaluate_expert`,
+Covers :mod:`torchrl_flowpolicy.tasks.registry`, the task parts of
+:mod:`~torchrl_flowpolicy.tasks.demonstrations` and :func:`~torchrl_flowpolicy.training.protocol.evaluate_expert`,
 and the examples' ``--task`` defaults and checkpoint checks (``examples/common.py``).
 """
 
@@ -17,18 +17,18 @@ import pytest
 import torch
 from examples_loader import load_example
 
-from torchrl_flowpolicy.envs import load_or_collect_demos
-from torchrl_flowpolicy.envs.tasks import TASKS, DemoSettings, Task, get_task, script_defaults
-from torchrl_flowpolicy.models import (
+from torchrl_flowpolicy.networks import ObservationNormalizer
+from torchrl_flowpolicy.tasks import load_or_collect_demos
+from torchrl_flowpolicy.tasks.registry import TASKS, DemoSettings, Task, get_task, script_defaults
+from torchrl_flowpolicy.training.models import (
     ModelConfig,
     build_policy,
     load_policy,
     load_policy_checkpoint,
     save_policy,
 )
-from torchrl_flowpolicy.networks import ObservationNormalizer
-from torchrl_flowpolicy.protocol import evaluate_expert
-from torchrl_flowpolicy.video import render_options
+from torchrl_flowpolicy.training.protocol import evaluate_expert
+from torchrl_flowpolicy.training.video import render_options
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("pretrain", "ppo", "dsrl", "evaluate")

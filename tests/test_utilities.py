@@ -10,11 +10,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_flowpolicy.checkpoint import atomic_write, load_checkpoint, save_checkpoint
-from torchrl_flowpolicy.data import make_chunk_dataset
-from torchrl_flowpolicy.evaluation import episode_outcomes
 from torchrl_flowpolicy.networks import ObservationNormalizer
 from torchrl_flowpolicy.sampler import SamplerOptions
+from torchrl_flowpolicy.training.checkpoint import atomic_write, load_checkpoint, save_checkpoint
+from torchrl_flowpolicy.training.data import make_chunk_dataset
+from torchrl_flowpolicy.training.evaluation import episode_outcomes
 
 
 def test_atomic_write_failing_writer_keeps_the_old_file(tmp_path):
@@ -121,9 +121,10 @@ def test_evaluate_policy_is_reproducible_and_keeps_the_callers_rng():
     from torchrl.envs import TransformedEnv
 
     from torchrl_flowpolicy import FlowSDEPolicy
-    from torchrl_flowpolicy.envs import BatchedGymEnv, PusherTask, make_chunked_env
-    from torchrl_flowpolicy.evaluation import evaluate_policy
+    from torchrl_flowpolicy.envs import BatchedGymEnv, make_chunked_env
     from torchrl_flowpolicy.networks import MLPVelocityNetwork
+    from torchrl_flowpolicy.tasks import PusherTask
+    from torchrl_flowpolicy.training.evaluation import evaluate_policy
 
     torch.manual_seed(0)
     policy = FlowSDEPolicy(

@@ -1,4 +1,4 @@
-"""Recording evaluation episodes (``torchrl_flowpolicy.video``): frames on every executed
+"""Recording evaluation episodes (``torchrl_flowpolicy.training.video``): frames on every executed
 environment step, the same outcomes as an unrecorded evaluation, GIF and MP4 files, and
 ``examples/evaluate.py --video_episodes``. Skipped where MuJoCo cannot render offscreen
 (run with ``MUJOCO_GL=egl``)."""
@@ -16,11 +16,11 @@ import torch
 from PIL import Image, ImageSequence
 
 from torchrl_flowpolicy import FlowSDEPolicy
-from torchrl_flowpolicy.envs import get_task, make_pusher_env
-from torchrl_flowpolicy.evaluation import evaluate_episodes
 from torchrl_flowpolicy.networks import MLPVelocityNetwork, ObservationNormalizer
 from torchrl_flowpolicy.sampler import SamplerOptions
-from torchrl_flowpolicy.video import (
+from torchrl_flowpolicy.tasks import get_task, make_pusher_env
+from torchrl_flowpolicy.training.evaluation import evaluate_episodes
+from torchrl_flowpolicy.training.video import (
     FAILURE_COLOR,
     SUCCESS_COLOR,
     collect_frames,
@@ -168,7 +168,7 @@ def test_tile_episodes_holds_finished_episodes_and_fills_a_grid():
 
 def test_lift_recording_matches_evaluation(offscreen_rendering, tmp_path):
     pytest.importorskip("robosuite")
-    from torchrl_flowpolicy.envs.robosuite_tasks import make_robosuite_env
+    from torchrl_flowpolicy.tasks.robosuite.env import make_robosuite_env
 
     policy = tiny_policy(60)
     env = make_render_env("lift", 2, 4, height=SIZE, width=SIZE, max_episode_steps=8)
@@ -190,7 +190,7 @@ def test_lift_recording_matches_evaluation(offscreen_rendering, tmp_path):
 
 @pytest.mark.slow
 def test_evaluate_example_writes_one_video_per_checkpoint_and_scale(offscreen_rendering, tmp_path):
-    from torchrl_flowpolicy.models import ModelConfig, build_policy, save_policy
+    from torchrl_flowpolicy.training.models import ModelConfig, build_policy, save_policy
 
     torch.manual_seed(0)
     model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)

@@ -24,6 +24,7 @@ from torchrl.envs.utils import ExplorationType, exploration_type
 from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.flow import StochasticSteps
 from torchrl_flowpolicy.sampler import Context, FlowSampler, SamplerOptions
+from torchrl_flowpolicy.sampler_options import refuse_setting_attribute
 
 __all__ = ["FlowSDEPolicy"]
 
@@ -91,7 +92,11 @@ class FlowSDEPolicy(TensorDictModuleBase):
 
     The sampler's attributes read through (``policy.options``); setting one goes through its
     checks (``policy.options = policy.options.replace(noise_level=0.3)``,
-    ``policy.noise_head = NoiseHead(...)``). Older checkpoints (networks at the root) load.
+    ``policy.noise_head = NoiseHead(...)``). A setting set as an attribute
+    (``policy.eval_noise_scale = 1.0``, or a former name: ``policy.num_steps = 4``) raises an
+    ``AttributeError`` naming that fix instead of creating an attribute nothing reads; it is not
+    forwarded, so that settings change in one way, checked as a whole. Older checkpoints
+    (networks at the root) load.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -160,6 +165,7 @@ class FlowSDEPolicy(TensorDictModuleBase):
         self.register_load_state_dict_pre_hook(_upgrade_state_dict)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        refuse_setting_attribute("policy", name)
         if name in _SAMPLER_ATTRIBUTES and "sampler" in self._modules:
             setattr(self.sampler, name, value)
             if name == "noise_head":  # the written keys follow: step_std with a head only
@@ -242,9 +248,10 @@ class FlowSDEPolicy(TensorDictModuleBase):
                 f"FlowSDEPolicy needs {key!r} ({what}), which is missing from the tensordict "
                 f"(keys: {list(tensordict.keys(True, True))})."
             )
-        if tensordict.batch_dims == 0:
+        batch_dims = tensordict.batch_dims
+        if batch_dims == 0:
             return value.unsqueeze(0)
-        return value.flatten(0, tensordict.batch_dims - 1)
+        return value if batch_dims == 1 else value.flatten(0, batch_dims - 1)
 
     def context(self, tensordict: TensorDictBase, *, grad: bool = True) -> Context:
         """The per-decision context of the flattened batch ``[N, ...]``
@@ -282,8 +289,11 @@ class FlowSDEPolicy(TensorDictModuleBase):
                 entries[keys.step_std] = rows(sampled.step_std)
         else:
             entries = {keys.action: rows(self.sampler.ode_sample(context, num_decisions))}
+        reshape = tensordict.batch_dims != 1  # [N, ...] -> [*B, ...]
         for key, value in entries.items():
-            tensordict.set(key, value.reshape((*batch_shape, *value.shape[1:])))
+            tensordict.set(
+                key, value.reshape((*batch_shape, *value.shape[1:])) if reshape else value
+            )
         return tensordict
 
     @torch.no_grad()

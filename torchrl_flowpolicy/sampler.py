@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torchrl_flowpolicy import flow
 from torchrl_flowpolicy.flow import SamplingSchedule, StochasticSteps
 from torchrl_flowpolicy.networks import check_declared_shape
-from torchrl_flowpolicy.sampler_options import SamplerOptions
+from torchrl_flowpolicy.sampler_options import SamplerOptions, refuse_setting_attribute
 
 __all__ = [
     "SamplerOptions",
@@ -126,7 +126,9 @@ class FlowSampler(nn.Module):
 
     Setting ``options`` or ``executed_chunk_length`` checks the new value (a ``ValueError``
     naming the setting; a refused value changes nothing; a change of the noise scales alone
-    checks only them) and clears the cached schedules.
+    checks only them) and clears the cached schedules. A setting set as an attribute (also by a
+    former name, ``num_steps``) raises an ``AttributeError`` naming ``options``: not forwarded,
+    so that settings change one way, checked as a whole.
 
     Examples:
         >>> from torchrl_flowpolicy.networks import MLPVelocityNetwork
@@ -178,6 +180,7 @@ class FlowSampler(nn.Module):
         self.options = SamplerOptions() if options is None else options
 
     def __setattr__(self, name: str, value: Any) -> None:
+        refuse_setting_attribute("sampler", name)
         if name in ("velocity_network", "noise_head") and value is not None:
             check_declared_shape(value, self.chunk_shape, name)
         super().__setattr__(name, value)

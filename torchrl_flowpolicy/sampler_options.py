@@ -4,7 +4,9 @@ The one route for the sampler settings: a command line's ``--sampler.*`` group b
 (each field's ``metadata["help"]`` is its help line), :class:`~torchrl_flowpolicy.sampler.FlowSampler`
 takes it whole and checks it (the one semantic check: it knows the dtype the grids are built
 in), every checkpoint saves it (:meth:`SamplerOptions.to_dict`) and every loader reads it back
-(:meth:`SamplerOptions.from_dict`).
+(:meth:`SamplerOptions.from_dict`). :func:`refuse_setting_attribute` keeps the sampler and the
+policy from taking a setting as a plain attribute (``policy.noise_level = 0.3``), which nothing
+would read.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from torchrl_flowpolicy.flow import NoiseSchedule, SDEMode
 
-__all__ = ["SamplerOptions"]
+__all__ = ["SamplerOptions", "FORMER_SETTING_NAMES", "refuse_setting_attribute"]
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -88,3 +90,37 @@ class SamplerOptions:
     def replace(self, **changes: Any) -> SamplerOptions:
         """A copy with some settings changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
+
+
+#: The settings' names from before they were grouped in :class:`SamplerOptions`, and their
+#: fields (the others kept their names).
+FORMER_SETTING_NAMES = {
+    "num_steps": "num_denoising_steps",
+    "eval_num_steps": "eval_num_denoising_steps",
+}
+_SETTING_NAMES = frozenset(field.name for field in dataclasses.fields(SamplerOptions))
+_REFUSED_ATTRIBUTES = _SETTING_NAMES | frozenset(FORMER_SETTING_NAMES)
+
+
+def refuse_setting_attribute(owner: str, name: str) -> None:
+    """Raise an ``AttributeError`` when ``name`` is a :class:`SamplerOptions` field or a former
+    name of one: ``{owner}.{name} = value`` would create an attribute that the sampler never
+    reads. The message names the field and the one route, ``{owner}.options = ...``.
+
+    Examples:
+        >>> refuse_setting_attribute("policy", "in_keys")  # not a setting: returns None
+        >>> refuse_setting_attribute("policy", "num_steps")
+        Traceback (most recent call last):
+        ...
+        AttributeError: policy.num_steps = ... would change nothing: 'num_steps' is the former name of the setting 'num_denoising_steps', held by policy.options (a frozen SamplerOptions). Set it with policy.options = policy.options.replace(num_denoising_steps=...) ...
+    """
+    if name not in _REFUSED_ATTRIBUTES:
+        return
+    field = FORMER_SETTING_NAMES.get(name, name)
+    what = "a sampler setting" if field == name else f"the former name of the setting {field!r}"
+    raise AttributeError(
+        f"{owner}.{name} = ... would change nothing: {name!r} is {what}, held "
+        f"by {owner}.options (a frozen SamplerOptions). Set it with {owner}.options = "
+        f"{owner}.options.replace({field}=...) (or dataclasses.replace({owner}.options, "
+        f"{field}=...)): the new options are checked as a whole."
+    )

@@ -1,49 +1,35 @@
-"""Environments: chunked execution, batched gymnasium environments and the default task.
+"""Environment tools for any TorchRL environment: chunked execution, action bounds and
+batched gymnasium environments.
 
-The default task is split by concept: :mod:`~torchrl_flowpolicy.envs.pusher` (task facts,
-success test, :class:`PusherTask`, :func:`make_pusher_env`),
-:mod:`~torchrl_flowpolicy.envs.pusher_expert` (the scripted :class:`PusherExpert`) and
-:mod:`~torchrl_flowpolicy.envs.pusher_demos` (rolling it out into demonstrations).
-:mod:`~torchrl_flowpolicy.envs.tasks` is the registry of the tasks the examples run
-(``"pusher"``, robosuite's ``"lift"``, ``"can"`` and ``"square"``): each :class:`Task` holds all that
-differs between them; their robosuite parts are imported only when used:
-:mod:`~torchrl_flowpolicy.envs.robosuite_layout` (the task specifications and observation
-layout), :mod:`~torchrl_flowpolicy.envs.robosuite_tasks` (the environments),
-:mod:`~torchrl_flowpolicy.envs.lift_expert`, :mod:`~torchrl_flowpolicy.envs.can_expert` and
-:mod:`~torchrl_flowpolicy.envs.square_expert` (the scripted experts, sharing :mod:`~torchrl_flowpolicy.envs.robosuite_expert_base`) and
-:mod:`~torchrl_flowpolicy.envs.robosuite_experts` (the experts as policies and
-demonstrations); :mod:`~torchrl_flowpolicy.envs.can_outcomes` sorts PickPlaceCan episodes by
-why they failed.
-:mod:`~torchrl_flowpolicy.envs.demonstrations` caches any task's demonstrations.
+:mod:`~torchrl_flowpolicy.envs.chunking` runs one policy decision as a chunk of ``H'``
+environment steps (:func:`make_chunked_env`, :class:`ChunkedAction`,
+:func:`decision_discount`), :mod:`~torchrl_flowpolicy.envs.clamping` clamps the executed
+action to the environment's bounds (:class:`ClampAction`) and
+:mod:`~torchrl_flowpolicy.envs.batched` puts several gymnasium environments behind one
+batch-locked TorchRL environment (:class:`BatchedGymEnv`). The benchmark tasks, their
+experts and demonstrations are in :mod:`torchrl_flowpolicy.tasks`.
 
 Every name below is imported on first use, from its module: :func:`make_chunked_env`,
 :class:`ChunkedAction`, :class:`ClampAction` and :func:`decision_discount` need TorchRL only,
-the rest needs the simulators (``pip install "torchrl_flowpolicy[envs]"``).
+:class:`BatchedGymEnv` needs gymnasium (``pip install "torchrl_flowpolicy[envs]"``). The
+task names this package used to export (``make_pusher_env``, ``get_task``, ...) still
+resolve, from :mod:`torchrl_flowpolicy.tasks`, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torchrl_flowpolicy.envs.batched import BatchedGymEnv
     from torchrl_flowpolicy.envs.chunking import (
         ChunkedAction,
-        ClampAction,
         decision_discount,
         make_chunked_env,
     )
-    from torchrl_flowpolicy.envs.demonstrations import demos_path, load_or_collect_demos
-    from torchrl_flowpolicy.envs.pusher import (
-        PusherTask,
-        is_success,
-        make_pusher_env,
-        object_goal_distance,
-    )
-    from torchrl_flowpolicy.envs.pusher_demos import collect_demos
-    from torchrl_flowpolicy.envs.pusher_expert import PusherExpert, PusherExpertPolicy
-    from torchrl_flowpolicy.envs.tasks import TASKS, DemoSettings, Task, get_task
+    from torchrl_flowpolicy.envs.clamping import ClampAction
 
 # Each public name and the submodule that defines it.
 _SOURCES = {
@@ -52,25 +38,38 @@ _SOURCES = {
     "ClampAction": "clamping",
     "decision_discount": "chunking",
     "make_chunked_env": "chunking",
-    "collect_demos": "pusher_demos",
-    "demos_path": "demonstrations",
-    "load_or_collect_demos": "demonstrations",
-    "PusherTask": "pusher",
-    "is_success": "pusher",
-    "make_pusher_env": "pusher",
-    "object_goal_distance": "pusher",
-    "PusherExpert": "pusher_expert",
-    "PusherExpertPolicy": "pusher_expert",
-    "TASKS": "tasks",
-    "DemoSettings": "tasks",
-    "Task": "tasks",
-    "get_task": "tasks",
 }
+# The names this package exported before the tasks moved to torchrl_flowpolicy.tasks.
+_MOVED_NAMES = (
+    "collect_demos",
+    "demos_path",
+    "load_or_collect_demos",
+    "PusherTask",
+    "is_success",
+    "make_pusher_env",
+    "object_goal_distance",
+    "PusherExpert",
+    "PusherExpertPolicy",
+    "TASKS",
+    "DemoSettings",
+    "Task",
+    "get_task",
+)
 _SIMULATORS = ("gymnasium", "mujoco", "robosuite")
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name from its submodule on first use (PEP 562)."""
+    """Import a public name from its submodule on first use (PEP 562); a name that moved to
+    :mod:`torchrl_flowpolicy.tasks` (or an old submodule) with a ``DeprecationWarning``."""
+    from torchrl_flowpolicy.training import _moved
+
+    if name in _MOVED_NAMES:
+        caller = sys._getframe(1).f_code.co_filename
+        if not ("importlib" in caller and "_bootstrap" in caller):  # not from-import's probe
+            _moved.warn_moved(f"{__name__}.{name}", f"torchrl_flowpolicy.tasks.{name}")
+        return getattr(importlib.import_module("torchrl_flowpolicy.tasks"), name)
+    if f"{__name__}.{name}" in _moved.MOVED_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     if name not in _SOURCES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
@@ -79,7 +78,7 @@ def __getattr__(name: str) -> Any:
         if (error.name or "").split(".")[0] in _SIMULATORS:
             raise ModuleNotFoundError(
                 f"{__name__}.{name} needs {error.name!r}, which is not installed: "
-                "pip install 'torchrl_flowpolicy[envs]' (robosuite's tasks: '[robosuite]').",
+                "pip install 'torchrl_flowpolicy[envs]'.",
                 name=error.name,
             ) from error
         raise
@@ -98,17 +97,4 @@ __all__ = [
     "ClampAction",
     "make_chunked_env",
     "decision_discount",
-    "PusherExpert",
-    "PusherExpertPolicy",
-    "PusherTask",
-    "make_pusher_env",
-    "collect_demos",
-    "demos_path",
-    "load_or_collect_demos",
-    "object_goal_distance",
-    "is_success",
-    "Task",
-    "DemoSettings",
-    "TASKS",
-    "get_task",
 ]

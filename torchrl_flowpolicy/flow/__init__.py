@@ -32,7 +32,7 @@ the probability-flow ODE, with the noise schedule of Flow-GRPO (Liu et al., 2025
 (Flow-SDE, Chen et al., 2025); see ``docs/conventions.md`` for the derivation.
 
 Modules: :mod:`~torchrl_flowpolicy.flow.sde` (the grid, the Flow-SDE step, the stochastic
-steps), :mod:`~torchrl_flowpolicy.flow.gaussian` (the Gaussian log-density, entropy and KL,
+steps, the settings' check), :mod:`~torchrl_flowpolicy.flow.gaussian` (the Gaussian log-density, entropy and KL,
 with an action mask), :mod:`~torchrl_flowpolicy.flow.noise` (the bounded std of the learned
 exploration noise), :mod:`~torchrl_flowpolicy.flow.sampling` (the sampling schedule, the one
 integration loop), :mod:`~torchrl_flowpolicy.flow.rescoring` (the learner's rescoring of

@@ -117,7 +117,8 @@ def gaussian_log_prob(
         tensor(-0.9189)
     """
     dtype = probability_dtype(x.dtype)
-    x, mean, std = x.to(dtype), mean.to(dtype), std.to(dtype)
+    if not x.dtype == mean.dtype == std.dtype == dtype:
+        x, mean, std = x.to(dtype), mean.to(dtype), std.to(dtype)
     event_shape = x.shape[x.ndim - event_dims :]
     per_entry = _std_per_entry(std, x.shape, event_dims)
     if mask is None:

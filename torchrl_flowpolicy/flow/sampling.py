@@ -15,7 +15,6 @@ stays free of modules and TensorDicts.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,21 +22,10 @@ import torch
 from torch import Tensor
 
 from torchrl_flowpolicy.flow.gaussian import gaussian_log_prob
-from torchrl_flowpolicy.flow.sde import (
-    NoiseSchedule,
-    SDEMode,
-    check_integer,
-    check_noise_level,
-    check_noise_scale,
-    sample_sde_mask,
-    sigma_grid,
-    step_coefficients,
-)
+from torchrl_flowpolicy.flow.sde import NoiseSchedule, sigma_grid, step_coefficients
 
 __all__ = [
-    "MAX_STEP_X_COEFFICIENT",
     "all_finite",
-    "check_sampler",
     "SamplingSchedule",
     "sampling_schedule",
     "IntegratedChain",
@@ -65,94 +53,11 @@ def all_finite(tensor: Tensor, what: str = "a checked tensor") -> bool:
         >>> all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows, the entries do not
         True
     """
-    tensor = tensor.detach()
     if torch.compiler.is_compiling():
         message = f"{what} is not finite (run without torch.compile for the detailed check)"
-        torch._assert_async(torch.isfinite(tensor).all(), message)
+        torch._assert_async(torch.isfinite(tensor.detach()).all(), message)
         return True
     return math.isfinite(tensor.sum().item()) or bool(torch.isfinite(tensor).all())
-
-
-#: The largest ``|x_coefficient_k|`` (the weight of ``x_k`` in a stochastic step's mean) that
-#: :func:`check_sampler` accepts without a warning. Beyond 1 the step's score correction
-#: ``c_k |Delta_k|`` exceeds 2: the mean overshoots the noise it removes, and a chain of such
-#: steps explodes. On a uniform grid step 1 has ``x_coefficient = 1 - a^2 / 2`` whatever ``K``
-#: (``a = noise_level``), so the limit is ``a = 2``.
-MAX_STEP_X_COEFFICIENT = 1.0
-
-
-def check_sampler(
-    num_denoising_steps: int,
-    noise_level: float,
-    sde_mode: SDEMode = "mixed",
-    num_sde_steps: int = 4,
-    shift: float = 1.0,
-    noise_schedule: NoiseSchedule = "sqrt",
-    *,
-    eval_num_denoising_steps: int | None = None,
-    rollout_noise_scale: float = 1.0,
-    eval_noise_scale: float = 0.0,
-    dtype: torch.dtype = torch.float32,
-) -> None:
-    """Raise a ``ValueError`` naming the argument when the sampler's settings are invalid.
-
-    The arguments are the fields of :class:`~torchrl_flowpolicy.sampler.SamplerOptions`
-    (``check_sampler(**options.to_dict())``). Checks that the noise scales are finite and
-    ``>= 0`` (:func:`~torchrl_flowpolicy.flow.check_noise_scale`), ``noise_level`` is finite
-    and ``>= 0``, ``num_denoising_steps`` and ``num_sde_steps`` are integers that fit
-    ``sde_mode``, ``shift`` is finite and ``> 0`` and the sigma grids (also that of
-    ``eval_num_denoising_steps``, when given) are strictly decreasing in ``dtype`` (the chain's
-    dtype). In ``"mixed"`` mode the check of ``sde_mode`` draws one mask from torch's global
-    generator (:func:`~torchrl_flowpolicy.flow.sample_sde_mask`). Warns (``UserWarning``) when
-    a step that ``sde_mode`` can make stochastic has ``|x_coefficient| >``
-    :data:`MAX_STEP_X_COEFFICIENT` (see :func:`~torchrl_flowpolicy.flow.step_coefficients`):
-    such a step overshoots, e.g. ``noise_level=5`` gives ``1 - 5^2 / 2 = -11.5`` at step 1 and
-    actions in the thousands.
-
-    Examples:
-        >>> check_sampler(8, 0.5)  # valid: returns None
-        >>> check_sampler(1, 0.5, "mixed")
-        Traceback (most recent call last):
-        ...
-        ValueError: sde_mode='mixed' needs num_denoising_steps >= 2 (step 0 is never stochastic), got num_denoising_steps=1.
-    """
-    check_noise_scale("rollout_noise_scale", rollout_noise_scale)
-    check_noise_scale("eval_noise_scale", eval_noise_scale)
-    check_noise_level(noise_level)
-    if noise_schedule not in ("sqrt", "constant"):
-        raise ValueError(f"noise_schedule must be 'sqrt' or 'constant', got {noise_schedule!r}.")
-    check_integer("num_denoising_steps", num_denoising_steps, 1)
-    check_integer("num_sde_steps", num_sde_steps, 1)
-    sample_sde_mask((1,), num_denoising_steps, sde_mode, num_sde_steps)  # sde_mode against K and n
-    sigma_grid(num_denoising_steps, shift, dtype=dtype)  # shift > 0, strictly decreasing in dtype
-    if eval_num_denoising_steps is not None:
-        check_integer("eval_num_denoising_steps", eval_num_denoising_steps, 1)
-        try:  # the shift is valid: only the grid can collapse
-            sigma_grid(eval_num_denoising_steps, shift, dtype=dtype)
-        except ValueError as error:
-            steps = eval_num_denoising_steps
-            raise ValueError(f"eval_num_denoising_steps={steps}: {error}") from None
-    if noise_level == 0:
-        return
-    # Steps that sde_mode can make stochastic (step 0 never is).
-    first = num_denoising_steps - num_sde_steps if sde_mode == "last" else 1
-    sigmas = sigma_grid(num_denoising_steps, shift, dtype=torch.float64)
-    x_coefficient = step_coefficients(sigmas, noise_level, noise_schedule)[0][first:]
-    worst = int(x_coefficient.abs().argmax())
-    coefficient = float(x_coefficient[worst])
-    if abs(coefficient) > MAX_STEP_X_COEFFICIENT:
-        step = first + worst
-        warnings.warn(
-            f"noise_level={noise_level!r} makes stochastic step {step} (sigma="
-            f"{float(sigmas[step])!r}; num_denoising_steps={num_denoising_steps}, shift={shift:g}, "
-            f"noise_schedule={noise_schedule!r}, sde_mode={sde_mode!r}) multiply x_k by "
-            f"{coefficient:.4g} in its mean (|x_coefficient| > {MAX_STEP_X_COEFFICIENT:g}): the "
-            f"step overshoots and the actions can explode. Lower noise_level (on a uniform "
-            f"grid step 1 has 1 - noise_level^2 / 2, whatever num_denoising_steps) or use "
-            f"sde_mode='last'.",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 class SamplingSchedule(NamedTuple):
@@ -287,60 +192,72 @@ def integrate(
     num_denoising_steps = schedule.num_denoising_steps
     num_decisions = initial_noise.shape[0]
     sigma_dtype = initial_noise.dtype if sigma_dtype is None else sigma_dtype
-    sigma_steps = (
-        schedule.sigmas[:-1]
-        .to(sigma_dtype)[:, None]
-        .expand(num_denoising_steps, num_decisions)
-        .unbind(0)
-    )
-    # Per-step (and, with a mask, per-decision) coefficients, selected once:
-    # an ODE step is (1, Delta, 0).
+    sigmas = schedule.sigmas[:-1, None]
+    sigmas = sigmas if sigmas.dtype == sigma_dtype else sigmas.to(sigma_dtype)
+    sigma_steps = sigmas.expand(num_denoising_steps, num_decisions).unbind(0)
+    # Kind 0: an Euler step (no decision stochastic: (1, Delta_k, 0) give the same numbers); 1:
+    # every decision stochastic; 2: per-decision coefficients (some; a learned std; or any mask
+    # off the CPU or under torch.compile, which is not read: that would synchronise, or break
+    # the graph).
     if sde_mask is None:
-        x_coefficient = torch.ones_like(schedule.step_size)[None]
-        velocity_coefficient = schedule.step_size[None]
-        noise_steps = None
-    else:
+        kinds = [0] * num_denoising_steps
+    elif noise_std is None and (sde_mask.device.type != "cpu" or torch.compiler.is_compiling()):
+        kinds = [2] * num_denoising_steps
+    else:  # how many decisions each step makes stochastic (one decision: its row)
+        counts = sde_mask.sum(0).tolist() if num_decisions != 1 else sde_mask.tolist()[0]
+        every = num_decisions if noise_std is None else -1
+        kinds = [0 if count == 0 else 1 if count == every else 2 for count in counts]
+    # The schedule's constants per step: 0-dim, or [1, 1] where the schedule is wider than the
+    # chain (its products then promote, as the per-decision coefficients' do).
+    dtype = initial_noise.dtype
+    wider = torch.promote_types(schedule.step_size.dtype, dtype) != dtype
+    step_sizes = (schedule.step_size[:, None, None] if wider else schedule.step_size).unbind(0)
+    if 2 in kinds:  # per-decision coefficients, selected once
         x_coefficient = torch.where(sde_mask, schedule.x_coefficient, 1.0)
         velocity_coefficient = torch.where(
             sde_mask, schedule.velocity_coefficient, schedule.step_size
         )
+        x_steps = x_coefficient[..., None, None].unbind(1)
+        velocity_steps = velocity_coefficient[..., None, None].unbind(1)
         if noise_std is None:
             std = torch.where(sde_mask, schedule.std, 0.0)
             # The noise terms std_k * xi_k of all steps in one multiplication.
             noise_steps = (std[..., None, None] * step_noise).unbind(1)
         else:  # the std depends on x_k: computed in the loop
-            noise_steps = None
-            step_stochastic = sde_mask.any(0).tolist()
             # In the chain's dtype, as stochastic_steps hands them over when rescoring.
-            noise_sigma_steps = schedule.sigmas[:-1, None].expand(
-                num_denoising_steps, num_decisions
-            )
+            noise_sigma_steps = schedule.sigmas[:-1, None].expand(-1, num_decisions)
             stochastic_rows = sde_mask[..., None, None].unbind(1)
             xi_steps = step_noise.unbind(1)
-    x_steps = x_coefficient[..., None, None].unbind(1)
-    velocity_steps = velocity_coefficient[..., None, None].unbind(1)
-    # Preallocated, step-major: chain[k] and means[k] are contiguous blocks that each step
-    # writes in place (``out=``); the returned views are [N, K + 1, H, D] and [N, K, H, D].
-    chain = initial_noise.new_empty((num_denoising_steps + 1, *initial_noise.shape))
-    chain[0] = initial_noise
-    means = None if sde_mask is None else torch.empty_like(chain[1:])
-    step_std = None if noise_std is None else torch.zeros_like(chain[1:])
-    for step in range(num_denoising_steps):
-        x = chain[step]
+    # Each x_{k+1} and mean_k in the chain's dtype (as if written into it), stacked at the end
+    # into [N, K + 1, H, D] and [N, K, H, D].
+    x, chain, means = initial_noise, [initial_noise], []
+    step_std = None if noise_std is None else []
+    for step, kind in enumerate(kinds):
         v = velocity(x, sigma_steps[step])
-        mean = chain[step + 1] if means is None else means[step]
-        torch.add(x_steps[step] * x, velocity_steps[step] * v, out=mean)
-        if noise_steps is not None:
-            torch.add(mean, noise_steps[step], out=chain[step + 1])
-        elif step_std is not None and step_stochastic[step]:
+        if kind == 0:
+            mean = _cast(x + step_sizes[step] * v, dtype)
+            if step_std is not None:
+                step_std.append(torch.zeros_like(mean))
+            x = mean
+        elif kind == 1:
+            index = (step, None, None) if wider else step
+            x_coefficient, std = schedule.x_coefficient[index], schedule.std[index]
+            mean = _cast(x_coefficient * x + schedule.velocity_coefficient[index] * v, dtype)
+            x = _cast(mean + std * step_noise.select(1, step), dtype)
+        elif noise_std is None:
+            mean = _cast(x_steps[step] * x + velocity_steps[step] * v, dtype)
+            x = _cast(mean + noise_steps[step], dtype)
+        else:  # a learned std, at x_k
+            mean = _cast(x_steps[step] * x + velocity_steps[step] * v, dtype)
             std = noise_std(x, noise_sigma_steps[step])
-            step_std[step] = torch.where(stochastic_rows[step], std, 0.0)
-            torch.addcmul(mean, step_std[step], xi_steps[step], out=chain[step + 1])
-        elif step_std is not None:
-            chain[step + 1] = mean
-    chain = chain.transpose(0, 1)
+            step_std.append(_cast(torch.where(stochastic_rows[step], std, 0.0), dtype))
+            x = _cast(torch.addcmul(mean, step_std[-1], xi_steps[step]), dtype)
+        chain.append(x)
+        means.append(mean)
+    chain = torch.stack(chain, 1)
+    means = None if sde_mask is None else torch.stack(means, 1)
     if step_std is not None:
-        step_std = step_std.transpose(0, 1)
+        step_std = torch.stack(step_std, 1)
         _check_step_std(step_std, sde_mask, schedule)
     if not all_finite(chain, "the sampled chain"):
         bad = int((~torch.isfinite(chain)).flatten(2).any(-1).any(0).nonzero()[0]) - 1
@@ -355,7 +272,12 @@ def integrate(
             f"(sigma={float(schedule.sigmas[bad]):.4f}): x_{bad + 1} is not finite. Check the "
             f"network's inputs (observation scaling) and its dtype."
         )
-    return IntegratedChain(chain, None if means is None else means.transpose(0, 1), step_std)
+    return IntegratedChain(chain, means, step_std)
+
+
+def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor`` in ``dtype``, as ``out=`` a ``dtype`` tensor stores it (a no-op when it is)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _check_step_std(step_std: Tensor, sde_mask: Tensor, schedule: SamplingSchedule) -> None:
@@ -394,15 +316,12 @@ def chain_log_prob(
             for the real action dimensions (``None``: all), as in
             :func:`~torchrl_flowpolicy.flow.gaussian_log_prob`.
     """
-    rows = chain.shape[-2] if rows is None else rows
-    if std.ndim > 1:  # one std per entry
-        std = std[:, :, :rows]
-        safe_std = torch.where(sde_mask[..., None, None], std, 1.0)
-    else:
-        safe_std = torch.where(sde_mask, std, 1.0)
-    step_log_prob = gaussian_log_prob(
-        chain[:, 1:, :rows], means[:, :, :rows], safe_std, mask=action_mask
-    )
+    sample, per_entry = chain[:, 1:], std.ndim > 1  # per entry: a learned std
+    if rows is not None and rows != chain.shape[-2]:  # the leading rows
+        sample, means = sample[:, :, :rows], means[:, :, :rows]
+        std = std[:, :, :rows] if per_entry else std
+    safe_std = torch.where(sde_mask[..., None, None] if per_entry else sde_mask, std, 1.0)
+    step_log_prob = gaussian_log_prob(sample, means, safe_std, mask=action_mask)
     return torch.where(sde_mask, step_log_prob, 0.0)
 
 

@@ -1,4 +1,5 @@
-"""The Flow-SDE step: sigma grid, diffusion coefficient, Gaussian transition, stochastic steps.
+"""The Flow-SDE step: sigma grid, diffusion coefficient, Gaussian transition, stochastic steps;
+the check of the sampler's settings (:func:`check_sampler`).
 
 Pure tensor functions (see :mod:`torchrl_flowpolicy.flow` for the time convention and the
 symbol table); each is tested against its closed form.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Literal
 
 import torch
@@ -28,6 +30,8 @@ __all__ = [
     "ode_step",
     "sde_step",
     "sample_sde_mask",
+    "MAX_STEP_X_COEFFICIENT",
+    "check_sampler",
 ]
 
 NoiseSchedule = Literal["sqrt", "constant"]
@@ -327,3 +331,85 @@ def sample_sde_mask(
             )
         return (steps >= 1).expand(shape)
     raise ValueError(f"sde_mode must be 'mixed', 'last' or 'all', got {mode!r}.")
+
+
+#: The largest ``|x_coefficient_k|`` (the weight of ``x_k`` in a stochastic step's mean) that
+#: :func:`check_sampler` accepts without a warning. Beyond 1 the step's score correction
+#: ``c_k |Delta_k|`` exceeds 2: the mean overshoots the noise it removes, and a chain of such
+#: steps explodes. On a uniform grid step 1 has ``x_coefficient = 1 - a^2 / 2`` whatever ``K``
+#: (``a = noise_level``), so the limit is ``a = 2``.
+MAX_STEP_X_COEFFICIENT = 1.0
+
+
+def check_sampler(
+    num_denoising_steps: int,
+    noise_level: float,
+    sde_mode: SDEMode = "mixed",
+    num_sde_steps: int = 4,
+    shift: float = 1.0,
+    noise_schedule: NoiseSchedule = "sqrt",
+    *,
+    eval_num_denoising_steps: int | None = None,
+    rollout_noise_scale: float = 1.0,
+    eval_noise_scale: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Raise a ``ValueError`` naming the argument when the sampler's settings are invalid.
+
+    The arguments are the fields of :class:`~torchrl_flowpolicy.sampler.SamplerOptions`
+    (``check_sampler(**options.to_dict())``). Checks that the noise scales are finite and
+    ``>= 0`` (:func:`~torchrl_flowpolicy.flow.check_noise_scale`), ``noise_level`` is finite
+    and ``>= 0``, ``num_denoising_steps`` and ``num_sde_steps`` are integers that fit
+    ``sde_mode``, ``shift`` is finite and ``> 0`` and the sigma grids (also that of
+    ``eval_num_denoising_steps``, when given) are strictly decreasing in ``dtype`` (the chain's
+    dtype). In ``"mixed"`` mode the check of ``sde_mode`` draws one mask from torch's global
+    generator (:func:`~torchrl_flowpolicy.flow.sample_sde_mask`). Warns (``UserWarning``) when
+    a step that ``sde_mode`` can make stochastic has ``|x_coefficient| >``
+    :data:`MAX_STEP_X_COEFFICIENT` (see :func:`~torchrl_flowpolicy.flow.step_coefficients`):
+    such a step overshoots, e.g. ``noise_level=5`` gives ``1 - 5^2 / 2 = -11.5`` at step 1 and
+    actions in the thousands.
+
+    Examples:
+        >>> check_sampler(8, 0.5)  # valid: returns None
+        >>> check_sampler(1, 0.5, "mixed")
+        Traceback (most recent call last):
+        ...
+        ValueError: sde_mode='mixed' needs num_denoising_steps >= 2 (step 0 is never stochastic), got num_denoising_steps=1.
+    """
+    check_noise_scale("rollout_noise_scale", rollout_noise_scale)
+    check_noise_scale("eval_noise_scale", eval_noise_scale)
+    check_noise_level(noise_level)
+    if noise_schedule not in ("sqrt", "constant"):
+        raise ValueError(f"noise_schedule must be 'sqrt' or 'constant', got {noise_schedule!r}.")
+    check_integer("num_denoising_steps", num_denoising_steps, 1)
+    check_integer("num_sde_steps", num_sde_steps, 1)
+    sample_sde_mask((1,), num_denoising_steps, sde_mode, num_sde_steps)  # sde_mode against K and n
+    sigma_grid(num_denoising_steps, shift, dtype=dtype)  # shift > 0, strictly decreasing in dtype
+    if eval_num_denoising_steps is not None:
+        check_integer("eval_num_denoising_steps", eval_num_denoising_steps, 1)
+        try:  # the shift is valid: only the grid can collapse
+            sigma_grid(eval_num_denoising_steps, shift, dtype=dtype)
+        except ValueError as error:
+            steps = eval_num_denoising_steps
+            raise ValueError(f"eval_num_denoising_steps={steps}: {error}") from None
+    if noise_level == 0:
+        return
+    # Steps that sde_mode can make stochastic (step 0 never is).
+    first = num_denoising_steps - num_sde_steps if sde_mode == "last" else 1
+    sigmas = sigma_grid(num_denoising_steps, shift, dtype=torch.float64)
+    x_coefficient = step_coefficients(sigmas, noise_level, noise_schedule)[0][first:]
+    worst = int(x_coefficient.abs().argmax())
+    coefficient = float(x_coefficient[worst])
+    if abs(coefficient) > MAX_STEP_X_COEFFICIENT:
+        step = first + worst
+        warnings.warn(
+            f"noise_level={noise_level!r} makes stochastic step {step} (sigma="
+            f"{float(sigmas[step])!r}; num_denoising_steps={num_denoising_steps}, shift={shift:g}, "
+            f"noise_schedule={noise_schedule!r}, sde_mode={sde_mode!r}) multiply x_k by "
+            f"{coefficient:.4g} in its mean (|x_coefficient| > {MAX_STEP_X_COEFFICIENT:g}): the "
+            f"step overshoots and the actions can explode. Lower noise_level (on a uniform "
+            f"grid step 1 has 1 - noise_level^2 / 2, whatever num_denoising_steps) or use "
+            f"sde_mode='last'.",
+            UserWarning,
+            stacklevel=3,
+        )
