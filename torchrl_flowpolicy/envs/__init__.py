@@ -58,6 +58,25 @@ _MOVED_NAMES = (
 _SIMULATORS = ("gymnasium", "mujoco", "robosuite")
 
 
+def import_lazily(package: str, sources: dict[str, str], name: str, extras: str) -> Any:
+    """``name`` imported from ``package``'s submodule ``sources[name]`` (the PEP 562
+    ``__getattr__`` of ``envs`` and ``tasks``); a missing simulator raises a
+    ``ModuleNotFoundError`` naming the ``pip install`` of ``extras``."""
+    if name not in sources:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f"{package}.{sources[name]}")
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] in _SIMULATORS:
+            raise ModuleNotFoundError(
+                f"{package}.{name} needs {error.name!r}, which is not installed: "
+                f"pip install {extras}.",
+                name=error.name,
+            ) from error
+        raise
+    return getattr(module, name)
+
+
 def __getattr__(name: str) -> Any:
     """Import a public name from its submodule on first use (PEP 562); a name that moved to
     :mod:`torchrl_flowpolicy.tasks` (or an old submodule) with a ``DeprecationWarning``."""
@@ -70,19 +89,7 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("torchrl_flowpolicy.tasks"), name)
     if f"{__name__}.{name}" in _moved.MOVED_MODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    if name not in _SOURCES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        module = importlib.import_module(f"{__name__}.{_SOURCES[name]}")
-    except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] in _SIMULATORS:
-            raise ModuleNotFoundError(
-                f"{__name__}.{name} needs {error.name!r}, which is not installed: "
-                "pip install 'torchrl_flowpolicy[envs]'.",
-                name=error.name,
-            ) from error
-        raise
-    value = getattr(module, name)
+    value = import_lazily(__name__, _SOURCES, name, "'torchrl_flowpolicy[envs]'")
     globals()[name] = value
     return value
 

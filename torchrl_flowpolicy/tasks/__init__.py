@@ -34,8 +34,9 @@ when one of their factories runs.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from torchrl_flowpolicy.envs import import_lazily
 
 if TYPE_CHECKING:
     from torchrl_flowpolicy.tasks.demonstrations import demos_path, load_or_collect_demos
@@ -72,24 +73,12 @@ _SOURCES = {
     "get_task": "registry",
     "script_defaults": "registry",
 }
-_SIMULATORS = ("gymnasium", "mujoco", "robosuite")
 
 
 def __getattr__(name: str) -> Any:
     """Import a public name from its submodule on first use (PEP 562)."""
-    if name not in _SOURCES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        module = importlib.import_module(f"{__name__}.{_SOURCES[name]}")
-    except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] in _SIMULATORS:
-            raise ModuleNotFoundError(
-                f"{__name__}.{name} needs {error.name!r}, which is not installed: "
-                "pip install 'torchrl_flowpolicy[envs]' (robosuite's tasks: '[robosuite]').",
-                name=error.name,
-            ) from error
-        raise
-    value = getattr(module, name)
+    extras = "'torchrl_flowpolicy[envs]' (robosuite's tasks: '[robosuite]')"
+    value = import_lazily(__name__, _SOURCES, name, extras)
     globals()[name] = value
     return value
 
