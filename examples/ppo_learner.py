@@ -61,6 +61,7 @@ def make_learner(policy: FlowSDEPolicy, config: Any, executed_chunk_length: int)
     actor_optimizer = torch.optim.Adam(parameters, lr=config.actor_learning_rate)
     actor_options = {
         "clip_epsilon": (config.clip_epsilon_low, config.clip_epsilon_high),
+        "context_grad": config.context_grad,
         "kl_coeff": config.kl_coeff,
         "bc_coeff": config.bc_coeff,
         "entropy_bonus": config.entropy_coeff > 0,
