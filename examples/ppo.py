@@ -273,6 +273,8 @@ def ppo_iteration(
     row["log_prob_drift_before_update"] = fresh_drift
     if critic is None:
         row.update(episodes.group_statistics(batch, config.group_size, collected_decisions))
+    else:  # the scale of GAE's advantage before the loss normalises it
+        row["train/advantage_std"] = batch[loss_module.tensor_keys.advantage].std().item()
     if ("flow", "step_std") in batch.keys(True):  # the rollouts' learned std
         row["train/noise_std"] = batch["flow", "step_std"][batch["flow", "sde_mask"]].mean().item()
     return row

@@ -507,6 +507,23 @@ def test_learned_noise_head_is_saved_with_the_run_and_rebuilt_on_load(example_mo
     assert resumed.actor_optimizer.param_groups[1]["lr"] == 1e-3
 
 
+def test_context_grad_option_reaches_the_loss(example_modules):
+    # --context_grad hands the policy gradient to the encoder (the loss's own option, whose
+    # effect tests/test_ppo_loss.py checks); off by default, as the published runs had it.
+    ppo = load_example("ppo")
+    model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
+    size = model_config.observation_dim
+    normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
+    for arguments, expected in (([], False), (["--context_grad"], True)):
+        config = ppo.parse_args(["--quick", *arguments])
+        policy = build_policy(model_config, normalizer)
+        learner = ppo.make_learner(policy, config, model_config.executed_chunk_length)
+        assert learner.loss_module.context_grad is expected
+        encoder = {id(p) for p in policy.encoder.parameters()}
+        (group,) = learner.actor_optimizer.param_groups
+        assert encoder <= {id(p) for p in group["params"]}
+
+
 def test_a_checkpoint_of_the_earlier_format_resumes_torchs_stream(example_modules, tmp_path):
     # Checkpoints written before "random_state" held torch's state alone, as "rng_state".
     torch.manual_seed(0)
