@@ -36,6 +36,7 @@ import matplotlib
 import torch
 
 from torchrl_flowpolicy.tasks.registry import TASKS
+from torchrl_flowpolicy.training.loggers import read_csv_log
 from torchrl_flowpolicy.training.statistics import paired_bootstrap_interval
 
 matplotlib.use("Agg")
@@ -161,10 +162,10 @@ def logged_mean(summary: dict, name: str) -> float | None:
     """The mean over the run's iterations of the scalar ``name`` (``clip_fraction``,
     ``kl_approx``) in the CSV log under the run's ``output_dir``; ``None`` when the run
     logged no CSV."""
-    found = sorted(Path(summary["config"]["output_dir"]).glob(f"csv/*/scalars/{name}.csv"))
-    if not found:
+    try:
+        values = [value for _, value in read_csv_log(summary["config"]["output_dir"]).get(name, [])]
+    except FileNotFoundError:
         return None
-    values = [float(line.split(",")[1]) for line in found[0].read_text().splitlines() if line]
     return mean(values) if values else None
 
 

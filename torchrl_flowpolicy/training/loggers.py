@@ -30,7 +30,14 @@ from torchrl.record.loggers import CSVLogger, Logger, WandbLogger
 
 from torchrl_flowpolicy.training.checkpoint import atomic_write
 
-__all__ = ["LOGGERS", "MetricLogger", "MetricWindow", "drop_rows_after", "unknown_loggers"]
+__all__ = [
+    "LOGGERS",
+    "MetricLogger",
+    "MetricWindow",
+    "drop_rows_after",
+    "read_csv_log",
+    "unknown_loggers",
+]
 
 #: The TorchRL loggers a run may name (:class:`MetricLogger`).
 LOGGERS = ("wandb", "csv")
@@ -154,3 +161,33 @@ def drop_rows_after(scalars: str | Path, step: int) -> list[Path]:
             atomic_write(path, lambda file, kept=kept: file.write("".join(kept).encode()))
             changed.append(path)
     return changed
+
+
+def read_csv_log(output_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar a run's CSV logger wrote under ``output_dir``: ``{name: [(step, value),
+    ...]}`` in the order logged, named as logged (``"clip_fraction"``, ``"train/episode_success"``).
+
+    Raises:
+        FileNotFoundError: ``output_dir`` holds no CSV log (the run was made without
+            ``--loggers csv``); a folder with several runs' logs is refused too.
+
+    Example:
+        >>> import tempfile
+        >>> directory = Path(tempfile.mkdtemp())
+        >>> MetricLogger("csv", "ppo_seed0", directory, {}).log({"train/reward": 0.5}, step=600)
+        >>> read_csv_log(directory)
+        {'train/reward': [(600, 0.5)]}
+    """
+    folders = sorted(Path(output_dir).glob("csv/*/scalars"))
+    if len(folders) != 1:
+        found = "no CSV log" if not folders else f"{len(folders)} CSV logs"
+        raise FileNotFoundError(
+            f"{output_dir}: {found} (expected one csv/<experiment>/scalars folder: a run made "
+            "with --loggers csv)."
+        )
+    log = {}
+    for path in sorted(folders[0].rglob("*.csv")):
+        rows = (line.split(",") for line in path.read_text().splitlines() if line)
+        name = path.relative_to(folders[0]).with_suffix("").as_posix()
+        log[name] = [(int(step), float(value)) for step, value in rows]
+    return log
