@@ -309,6 +309,9 @@ TASKS: dict[str, Task] = {
             rescore=rescore_success,
         ),
         render_options=render_options,
+        # PPO trains the observation encoder too (--context_grad), chosen on the validation
+        # states against TorchRL's Gaussian actor (docs/experiments/pusher_gaussian.md).
+        run_defaults={"ppo": {"context_grad": True}},
     ),
     "lift": Task(
         name="lift",
