@@ -110,7 +110,7 @@ class PPOConfig(TaskOptions):
     clip_epsilon_low: float = option(0.2, "ratio clip below 1", above=0, maximum=1)
     clip_epsilon_high: float = option(0.28, "ratio clip above 1 (clip-higher)", above=0)
     context_grad: bool = option(
-        False,
+        True,
         "the policy gradient also trains the observation encoder (not only the action expert)",
     )
     kl_coeff: float = option(0.0, "KL to the pretrained policy (0: off)", minimum=0)

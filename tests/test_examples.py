@@ -509,12 +509,13 @@ def test_learned_noise_head_is_saved_with_the_run_and_rebuilt_on_load(example_mo
 
 def test_context_grad_option_reaches_the_loss(example_modules):
     # --context_grad hands the policy gradient to the encoder (the loss's own option, whose
-    # effect tests/test_ppo_loss.py checks); off by default, as the published runs had it.
+    # effect tests/test_ppo_loss.py checks): Pusher's default; the robosuite recipes keep it off.
     ppo = load_example("ppo")
     model_config = ModelConfig(model_dim=16, num_heads=2, num_layers=1)
     size = model_config.observation_dim
     normalizer = ObservationNormalizer(torch.zeros(size), torch.ones(size))
-    for arguments, expected in (([], False), (["--context_grad"], True)):
+    cases = [([], True), (["--no-context_grad"], False), (["--task", "lift"], False)]
+    for arguments, expected in cases:
         config = ppo.parse_args(["--quick", *arguments])
         policy = build_policy(model_config, normalizer)
         learner = ppo.make_learner(policy, config, model_config.executed_chunk_length)

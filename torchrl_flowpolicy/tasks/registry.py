@@ -285,6 +285,7 @@ _CAN_PPO = types.MappingProxyType(
         "total_env_steps": 725_760,
         "eval_every": 10,
         "checkpoint_every": 5,
+        "context_grad": False,  # the encoder keeps its cloned weights, as the recipe was run
     }
 )
 
@@ -341,6 +342,7 @@ TASKS: dict[str, Task] = {
                 "total_env_steps": 600_000,
                 "eval_every": 10,
                 "checkpoint_every": 10,
+                "context_grad": False,  # the recipe's encoder keeps its cloned weights
                 **ROBOSUITE_SAMPLER,
             },
         },
