@@ -80,20 +80,29 @@ def window_table(log: dict[str, list[tuple[int, float]]], windows: int, names: l
 
 def main(config: RunLogConfig) -> dict[str, list[str]]:
     validate_config(config)
-    tables = {}
+    logs = {}
     for specification in config.runs:
         label, _, folder = specification.rpartition("=")
         if not label or not folder:
             raise ValueError(f"--runs: expected LABEL=output_dir, got {specification!r}.")
-        log = read_csv_log(Path(folder))
+        logs[label] = (folder, read_csv_log(Path(folder)))
+    # A --metrics name no run logged is a typo; one that some runs lack is n/a in theirs (a
+    # run without self-imitation logs no loss/bc).
+    names = columns(config.metrics)
+    logged = {name for _, log in logs.values() for name in log}
+    missing = [name for name, _, _ in names if name not in logged]
+    if config.metrics and missing and not config.list_names:
+        folders = ", ".join(folder for folder, _ in logs.values())
+        raise ValueError(
+            f"no run logged {missing} ({folders}); they logged: {', '.join(sorted(logged))}."
+        )
+    tables = {}
+    for label, (folder, log) in logs.items():
         print(f"\n{label} ({folder})")
         if config.list_names:
             print(", ".join(log))
             continue
-        missing = [name for name, _, _ in columns(config.metrics) if name not in log]
-        if config.metrics and missing:
-            raise ValueError(f"{folder} logged no {missing}; it logged: {', '.join(log)}.")
-        tables[label] = window_table(log, config.windows, columns(config.metrics))
+        tables[label] = window_table(log, config.windows, names)
         print("\n".join(tables[label]))
     return tables
 

@@ -48,7 +48,15 @@ def test_run_log_prints_the_diagnostics_and_refuses_unlogged_names(tmp_path, cap
     assert "clip fraction" in header and "explained variance" in header
     assert tables["run"][2].startswith("| 0-100 | n/a | n/a | 0.100 | n/a | 0.900 |")
     assert "| 200-300 |" in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"logged no \['loss/critic'\]; it logged: clip"):
+    with pytest.raises(ValueError, match=r"no run logged \['loss/critic'\] .*: clip_fraction, exp"):
         run_log.main(run_log.RunLogConfig(runs=[f"run={tmp_path}"], metrics="loss/critic"))
+    # A name that one run logged and another did not: n/a in the other's table.
+    other = tmp_path / "other"
+    write_log(other, {300: {"loss/critic": 0.5}})
+    tables = run_log.main(run_log.RunLogConfig(
+        runs=[f"run={tmp_path}", f"other={other}"], windows=1, metrics="clip_fraction,loss/critic"
+    ))  # fmt: skip
+    assert tables["run"][2] == "| 0-300 | 0.2000 | n/a |"
+    assert tables["other"][2] == "| 0-300 | n/a | 0.5000 |"
     with pytest.raises(ValueError, match="LABEL=output_dir"):
         run_log.main(run_log.RunLogConfig(runs=[str(tmp_path)]))
